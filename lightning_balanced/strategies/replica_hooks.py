@@ -1,0 +1,243 @@
+"""What a replica's LightningModule uses instead of the shared, not thread-safe trainer state.
+
+A replica runs its step on a worker thread. Anything that touches state shared with the other replicas goes through
+this module:
+
+- ``self.log``/``self.log_dict`` are recorded per replica and replayed once, combined, on the main thread;
+- in manual optimization, ``manual_backward``, ``optimizer.step``/``zero_grad``, ``lr_scheduler.step`` and
+  ``clip_gradients`` become rendezvous: every replica must call them in the same order, and the call runs once, on the
+  combined input, when all have arrived;
+- torchmetrics metrics are not replicated: every replica updates the one original metric, one call at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torchmetrics import Metric
+
+_LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+
+
+class ReplicaLogRecorder:
+    """Records the ``self.log`` calls of one replica."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        bound = _LOG_SIGNATURE.bind(None, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        del arguments["self"]
+        name, value = arguments.pop("name"), arguments.pop("value")
+        if isinstance(value, _SharedMetric):
+            value = value.metric
+        self.calls[name] = (value, arguments)
+
+
+def _reduce_name(reduce_fx: object) -> str:
+    if isinstance(reduce_fx, str):
+        return reduce_fx.lower()
+    return {torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, "mean")  # type: ignore[call-overload]
+
+
+def _combine(values: Sequence[Any], sizes: Sequence[int], reduce_fx: object, device: torch.device) -> Any:
+    if isinstance(values[0], Metric):
+        return values[0]  # shared by all replicas (see share_metrics)
+    tensors = [torch.as_tensor(v).to(device) for v in values]
+    reduce = _reduce_name(reduce_fx)
+    if reduce == "sum":
+        return torch.stack(tensors).sum(0)
+    if reduce in ("max", "min"):
+        return getattr(torch.stack(tensors), reduce)(0).values
+    total = sum(sizes)
+    stacked = torch.stack([t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors])
+    weights = torch.tensor([s / total for s in sizes], dtype=stacked.dtype, device=device)
+    return (stacked * weights.view(-1, *([1] * (stacked.dim() - 1)))).sum(0)
+
+
+def replay_logs(module: pl.LightningModule, recorders: Sequence[ReplicaLogRecorder], chunk_sizes: Sequence[int]) -> None:
+    """Log each recorded name once on ``module``, combined over the replicas that logged it.
+
+    Values are combined by the call's ``reduce_fx``: ``"sum"``, ``"max"``, ``"min"`` across replicas, otherwise the mean
+    weighted by chunk size (the value the whole batch would have logged). ``batch_size``, when given, is summed.
+    """
+    names = list(dict.fromkeys(name for recorder in recorders for name in recorder.calls))
+    for name in names:
+        logged = [(recorder.calls[name], size) for recorder, size in zip(recorders, chunk_sizes) if name in recorder.calls]
+        values = [value for (value, _), _ in logged]
+        sizes = [size for _, size in logged]
+        kwargs = dict(logged[0][0][1])
+        if kwargs.get("batch_size") is not None:
+            kwargs["batch_size"] = sum(call[1].get("batch_size") or size for call, size in logged)
+        value = _combine(values, sizes, kwargs.get("reduce_fx", "mean"), module.device)
+        module.log(name, value, **kwargs)
+
+
+class Rendezvous:
+    """Runs an action once when all ``parties`` threads have called :meth:`call` with their contribution.
+
+    Raises ``RuntimeError`` in every waiting thread when the others do not arrive within ``timeout`` seconds (replicas
+    that call a shared operation a different number of times would otherwise hang).
+    """
+
+    def __init__(self, parties: int, timeout: float) -> None:
+        self.parties = parties
+        self.timeout = timeout
+        self._condition = threading.Condition()
+        self._contributions: dict[int, Any] = {}
+        self._generation = 0
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._broken = False
+
+    def call(self, index: int, what: str, contribution: Any, action: Callable[[list[Any]], Any]) -> Any:
+        if self.parties == 1:
+            return action([contribution])
+        with self._condition:
+            if self._broken:
+                raise RuntimeError(f"Replica {index}: a previous rendezvous failed; cannot run `{what}`")
+            generation = self._generation
+            self._contributions[index] = contribution
+            if len(self._contributions) == self.parties:
+                contributions = [self._contributions[i] for i in range(self.parties)]
+                self._contributions = {}
+                try:
+                    self._result, self._error = action(contributions), None
+                except BaseException as err:
+                    self._result, self._error = None, err
+                self._generation += 1
+                self._condition.notify_all()
+            elif not self._condition.wait_for(lambda: self._generation != generation, timeout=self.timeout):
+                self._broken = True
+                self._condition.notify_all()
+                raise RuntimeError(
+                    f"Replica {index} waited {self.timeout:.0f}s for the other replicas to call `{what}`. In manual"
+                    " optimization under balanced_dp every replica must call manual_backward, optimizer step/zero_grad,"
+                    " scheduler step and clip_gradients the same number of times, in the same order."
+                )
+            if self._error is not None:
+                raise self._error
+            return self._result
+
+
+class _LockstepProxy:
+    """Delegates to ``target``; the methods named in ``shared`` run once per rendezvous of all replicas."""
+
+    def __init__(self, target: Any, rendezvous: Rendezvous, index: int, shared: Sequence[str]) -> None:
+        self._target = target
+        self._rendezvous = rendezvous
+        self._index = index
+        self._shared = frozenset(shared)
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._target, name)
+        if name not in self._shared:
+            return attribute
+
+        def once(*args: Any, **kwargs: Any) -> Any:
+            return self._rendezvous.call(self._index, name, None, lambda _: attribute(*args, **kwargs))
+
+        return once
+
+
+def install_manual_optimization(
+    replica: pl.LightningModule,
+    root: pl.LightningModule,
+    index: int,
+    rendezvous: Rendezvous,
+    loss_weight: float,
+) -> None:
+    """Route the replica's manual-optimization calls through ``rendezvous`` (see the module docstring).
+
+    ``manual_backward`` runs once on ``sum(loss_weight_i * loss_i)``, so the gradient is the full-batch gradient.
+    """
+    device = root.device
+
+    def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        def backward(losses: list[Tensor]) -> None:
+            root.manual_backward(torch.stack([lo.to(device) for lo in losses]).sum(), *args, **kwargs)
+
+        rendezvous.call(index, "manual_backward", loss * loss_weight, backward)
+
+    def optimizers(use_pl_optimizer: bool = True) -> Any:
+        found = root.optimizers(use_pl_optimizer)
+        wrap = [_LockstepProxy(o, rendezvous, index, ("step", "zero_grad")) for o in _as_list(found)]
+        return wrap if isinstance(found, list) else wrap[0]
+
+    def lr_schedulers() -> Any:
+        found = root.lr_schedulers()
+        if found is None:
+            return None
+        wrap = [_LockstepProxy(s, rendezvous, index, ("step",)) for s in _as_list(found)]
+        return wrap if isinstance(found, list) else wrap[0]
+
+    def shared(name: str) -> Callable[..., Any]:
+        method = getattr(root, name)
+
+        def once(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(a._target if isinstance(a, _LockstepProxy) else a for a in args)
+            return rendezvous.call(index, name, None, lambda _: method(*args, **kwargs))
+
+        return once
+
+    replica.manual_backward = manual_backward  # type: ignore[method-assign]
+    replica.optimizers = optimizers  # type: ignore[method-assign]
+    replica.lr_schedulers = lr_schedulers  # type: ignore[method-assign]
+    for name in ("clip_gradients", "toggle_optimizer", "untoggle_optimizer"):
+        setattr(replica, name, shared(name))
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else [value]
+
+
+class _SharedMetric(Module):
+    """Stands in a replica for an original torchmetrics ``Metric``: calls run on the original, one at a time."""
+
+    def __init__(self, metric: Metric, lock: threading.Lock) -> None:
+        super().__init__()
+        object.__setattr__(self, "metric", metric)  # not a submodule: replicas must not copy it
+        object.__setattr__(self, "_lock", lock)
+
+    def _locked(self, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        device = self.metric.device
+        args = [a.to(device) if isinstance(a, Tensor) else a for a in args]
+        kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        with self._lock:
+            return method(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._locked(self.metric, args, kwargs)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._locked(self.metric.update, args, kwargs)
+
+    def compute(self) -> Any:
+        return self._locked(self.metric.compute, (), {})
+
+    def reset(self) -> None:
+        self._locked(self.metric.reset, (), {})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["metric"], name)
+
+
+def share_metrics(replica: Module, root: Module, lock: threading.Lock) -> None:
+    """Replace every torchmetrics ``Metric`` inside ``replica`` by a stand-in for the matching one in ``root``."""
+    originals = {name: module for name, module in root.named_modules() if isinstance(module, Metric)}
+    if not originals:
+        return
+    replicas = dict(replica.named_modules())
+    for name, metric in originals.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = replicas[parent_name] if parent_name else replica
+        if child in parent._modules:
+            parent._modules[child] = _SharedMetric(metric, lock)
