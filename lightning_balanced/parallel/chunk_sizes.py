@@ -79,8 +79,11 @@ def plan_chunk_sizes(
     """
     batch_size = _check_count("batch_size", batch_size)
     num_devices = _check_count("num_devices", num_devices, minimum=1)
-    given = [name for name, value in (("gpu0_bsz", gpu0_bsz), ("chunk_sizes", chunk_sizes), ("weights", weights))
-             if value is not None]
+    given = [
+        name
+        for name, value in (("gpu0_bsz", gpu0_bsz), ("chunk_sizes", chunk_sizes), ("weights", weights))
+        if value is not None
+    ]
     if len(given) > 1:
         raise ValueError(f"Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got {' and '.join(given)}")
 
@@ -94,7 +97,7 @@ def plan_chunk_sizes(
         return proportional_split(batch_size, validate_weights(weights, num_devices))
 
     if gpu0_bsz is not None:
-        gpu0_bsz = _check_count("gpu0_bsz", gpu0_bsz)
+        gpu0_bsz = validate_gpu0_bsz(gpu0_bsz)
         if gpu0_bsz > batch_size:
             raise ValueError(f"`gpu0_bsz` ({gpu0_bsz}) must not exceed the batch size ({batch_size})")
         if num_devices == 1:
@@ -108,6 +111,16 @@ def plan_chunk_sizes(
         return [first, *_even_split(batch_size - first, num_devices - 1)]
 
     return _even_split(batch_size, num_devices)
+
+
+def validate_gpu0_bsz(gpu0_bsz: int) -> int:
+    """Check that ``gpu0_bsz`` is a non-negative integer and return it.
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: negative.
+    """
+    return _check_count("gpu0_bsz", gpu0_bsz)
 
 
 def validate_chunk_sizes(chunk_sizes: Sequence[int], num_devices: int) -> list[int]:

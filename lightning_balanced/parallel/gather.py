@@ -20,7 +20,7 @@ def _is_namedtuple(obj: object) -> bool:
 def _gather_tensors(tensors: Sequence[Tensor], target_device: torch.device, weights: Sequence[float]) -> Tensor:
     if all(t.dim() == 0 for t in tensors):
         # A per-replica scalar (the loss, a logged mean): the weighted sum, autograd-aware, on the target device.
-        return torch.stack([t.to(target_device) * w for t, w in zip(tensors, weights)]).sum()
+        return torch.stack([t.to(target_device) * w for t, w in zip(tensors, weights, strict=True)]).sum()
     if any(t.dim() == 0 for t in tensors):
         raise ValueError(
             f"Cannot gather a step output that is a scalar on some replicas and not on others: shapes"
@@ -69,16 +69,22 @@ def gather(outputs: Sequence[Any], target_device: torch.device, weights: Sequenc
         keys = list(first.keys())
         if any(not isinstance(o, Mapping) or list(o.keys()) != keys for o in outputs):
             raise ValueError(f"Replicas returned dicts with different keys: {[list(o) for o in outputs]}")
-        return type(first)((k, gather([o[k] for o in outputs], target_device, weights)) for k in keys)
+        mapping_type: Any = type(first)
+        return mapping_type((k, gather([o[k] for o in outputs], target_device, weights)) for k in keys)
     if isinstance(first, (list, tuple)):
         if any(type(o) is not type(first) or len(o) != len(first) for o in outputs):
-            raise ValueError("Replicas returned sequences of different types or lengths; a per-sample sequence must be"
-                             " a tensor to be gathered")
-        items = [gather(list(column), target_device, weights) for column in zip(*outputs)]
+            raise ValueError(
+                "Replicas returned sequences of different types or lengths; a per-sample sequence must be"
+                " a tensor to be gathered"
+            )
+        items = [gather(list(column), target_device, weights) for column in zip(*outputs, strict=True)]
         return type(first)(*items) if _is_namedtuple(first) else type(first)(items)
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        fields = {f.name: gather([getattr(o, f.name) for o in outputs], target_device, weights)
-                  for f in dataclasses.fields(first) if f.init}
+        fields = {
+            f.name: gather([getattr(o, f.name) for o in outputs], target_device, weights)
+            for f in dataclasses.fields(first)
+            if f.init
+        }
         return dataclasses.replace(first, **fields)
     if all(_equal(o, first) for o in outputs[1:]):
         return first

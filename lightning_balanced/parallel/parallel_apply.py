@@ -58,7 +58,7 @@ def parallel_apply(
         return list(cuda_parallel_apply(list(replicas), list(inputs), list(kwargs), list(devices)))
 
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-    jobs = list(zip(replicas, inputs, kwargs))
+    jobs = list(zip(replicas, inputs, kwargs, strict=True))
     own_pool = executor is None and len(jobs) > 1
     pool = ThreadPoolExecutor(max_workers=len(jobs) - 1) if own_pool else executor
     try:

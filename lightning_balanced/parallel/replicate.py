@@ -31,16 +31,18 @@ def _host_copies(tensor: Tensor, num_replicas: int, *, detach: bool, share_first
 def _replicate_on_host(network: ModuleT, num_replicas: int, detach: bool) -> list[ModuleT]:
     modules = list(network.modules())
     index = {module: i for i, module in enumerate(modules)}
-    params = {param: _host_copies(param, num_replicas, detach=detach, share_first=True)
-              for param in network.parameters()}
-    buffers = {buffer: _host_copies(buffer, num_replicas, detach=detach, share_first=True)
-               for buffer in network.buffers()}
+    params = {
+        param: _host_copies(param, num_replicas, detach=detach, share_first=True) for param in network.parameters()
+    }
+    buffers = {
+        buffer: _host_copies(buffer, num_replicas, detach=detach, share_first=True) for buffer in network.buffers()
+    }
 
     copies = [[module._replicate_for_data_parallel() for module in modules] for _ in range(num_replicas)]
     for j, replica_modules in enumerate(copies):
-        for module, replica in zip(modules, replica_modules):
+        for module, replica in zip(modules, replica_modules, strict=True):
             # Same layout as torch.nn.parallel.replicate: non-leaf parameters live as plain attributes.
-            replica._former_parameters = {}  # type: ignore[assignment]
+            replica._former_parameters = {}
             for key, child in module._modules.items():
                 replica._modules[key] = None if child is None else replica_modules[index[child]]
             for key, param in module._parameters.items():
@@ -48,10 +50,10 @@ def _replicate_on_host(network: ModuleT, num_replicas: int, detach: bool) -> lis
                     replica._parameters[key] = None
                 else:
                     setattr(replica, key, params[param][j])
-                    replica._former_parameters[key] = params[param][j]  # type: ignore[index]
+                    replica._former_parameters[key] = params[param][j]
             for key, buffer in module._buffers.items():
                 replica._buffers[key] = None if buffer is None else buffers[buffer][j]
-    return [replica_modules[0] for replica_modules in copies]  # type: ignore[misc]
+    return [replica_modules[0] for replica_modules in copies]
 
 
 def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool = False) -> list[ModuleT]:

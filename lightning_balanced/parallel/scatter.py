@@ -35,8 +35,7 @@ def infer_batch_size(batch: Any) -> int:
     tensors = _batched_tensors(batch)
     if not tensors:
         raise ValueError(
-            "Cannot split a batch that holds no tensor with a batch dimension (dim 0); got"
-            f" {type(batch).__name__}"
+            f"Cannot split a batch that holds no tensor with a batch dimension (dim 0); got {type(batch).__name__}"
         )
     sizes = sorted({t.shape[0] for t in tensors})
     if len(sizes) > 1:
@@ -54,7 +53,9 @@ def _split(tensor: Tensor, chunk_sizes: Sequence[int], devices: Sequence[torch.d
         # torch's comm.scatter: copies straight from the source (host or GPU 0) to each device, on side streams.
         indices = [d.index for d in devices]
         return tuple(Scatter.apply(indices, list(chunk_sizes), 0, tensor))
-    return tuple(chunk.to(device) for chunk, device in zip(torch.split(tensor, list(chunk_sizes)), devices))
+    return tuple(
+        chunk.to(device) for chunk, device in zip(torch.split(tensor, list(chunk_sizes)), devices, strict=True)
+    )
 
 
 def scatter(batch: Any, chunk_sizes: Sequence[int], devices: Sequence[torch.device]) -> list[Any]:
@@ -83,7 +84,9 @@ def scatter(batch: Any, chunk_sizes: Sequence[int], devices: Sequence[torch.devi
         raise ValueError(f"`chunk_sizes` must be positive (leave empty devices out), got {list(chunk_sizes)}")
     batch_size = infer_batch_size(batch)
     if sum(chunk_sizes) != batch_size:
-        raise ValueError(f"`chunk_sizes` {list(chunk_sizes)} sum to {sum(chunk_sizes)}, not the batch size {batch_size}")
+        raise ValueError(
+            f"`chunk_sizes` {list(chunk_sizes)} sum to {sum(chunk_sizes)}, not the batch size {batch_size}"
+        )
 
     chunks: dict[int, tuple[Tensor, ...]] = {}
 

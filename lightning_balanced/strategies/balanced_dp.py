@@ -14,17 +14,21 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_balanced.parallel import gather, infer_batch_size, parallel_apply, plan_chunk_sizes, replicate, scatter
-from lightning_balanced.parallel.chunk_sizes import proportional_split, validate_chunk_sizes, validate_weights
+from lightning_balanced.parallel.chunk_sizes import (
+    proportional_split,
+    validate_chunk_sizes,
+    validate_gpu0_bsz,
+    validate_weights,
+)
 from lightning_balanced.strategies.replica_hooks import (
     Rendezvous,
     ReplicaLogRecorder,
@@ -147,14 +151,14 @@ class BalancedDataParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        given = [n for n, v in (("gpu0_bsz", gpu0_bsz), ("chunk_sizes", chunk_sizes), ("weights", weights)) if v is not None]
+        given = [
+            n for n, v in (("gpu0_bsz", gpu0_bsz), ("chunk_sizes", chunk_sizes), ("weights", weights)) if v is not None
+        ]
         if len(given) > 1:
             raise ValueError(f"Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got {' and '.join(given)}")
-        if gpu0_bsz is not None:
-            plan_chunk_sizes(gpu0_bsz, 2, gpu0_bsz=gpu0_bsz)  # validates the type and sign
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
-        self.gpu0_bsz = gpu0_bsz
+        self.gpu0_bsz = None if gpu0_bsz is None else validate_gpu0_bsz(gpu0_bsz)
         self.chunk_sizes = None if chunk_sizes is None else validate_chunk_sizes(chunk_sizes, len(chunk_sizes))
         self.weights = None if weights is None else validate_weights(weights, len(weights))
         self.loss_reduction = loss_reduction
@@ -202,7 +206,7 @@ class BalancedDataParallelStrategy(ParallelStrategy):
         return {"num_replicas": 1, "rank": 0}
 
     @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Identity: there is one process, and the replicas' outputs are already combined by the step."""
         return tensor
 
@@ -307,7 +311,7 @@ class BalancedDataParallelStrategy(ParallelStrategy):
         planned = self.plan(batch_size)
         if step_name == "training_step":
             self._report_plan(batch_size, planned)
-        devices = [d for d, size in zip(self.parallel_devices, planned) if size > 0]
+        devices = [d for d, size in zip(self.parallel_devices, planned, strict=True) if size > 0]
         chunk_sizes = [size for size in planned if size > 0]
         weights = [s / batch_size for s in chunk_sizes] if self.loss_reduction == "mean" else [1.0] * len(chunk_sizes)
 
@@ -316,8 +320,8 @@ class BalancedDataParallelStrategy(ParallelStrategy):
         recorders = [ReplicaLogRecorder() for _ in replicas]
         rendezvous = Rendezvous(len(replicas), _RENDEZVOUS_TIMEOUT_S)
         manual = step_name == "training_step" and not module.automatic_optimization
-        for i, (replica, device) in enumerate(zip(replicas, devices)):
-            replica_module: pl.LightningModule = replica.module  # type: ignore[assignment]
+        for i, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
+            replica_module = replica.module
             replica_module._device = device
             replica_module.log = recorders[i].log  # type: ignore[method-assign]
             share_metrics(replica_module, module, self._metric_lock)
@@ -327,7 +331,11 @@ class BalancedDataParallelStrategy(ParallelStrategy):
         call = _StepCall(step_name, torch.is_inference_mode_enabled())
         try:
             outputs = parallel_apply(
-                replicas, [(call, *a) for a, _ in scattered], [k for _, k in scattered], devices, executor=self._executor
+                replicas,
+                [(call, *a) for a, _ in scattered],
+                [k for _, k in scattered],
+                devices,
+                executor=self._executor,
             )
         except ValueError as err:
             if 1 in chunk_sizes and step_name == "training_step" and _has_training_batchnorm(module):
@@ -360,7 +368,7 @@ class BalancedDataParallelStrategy(ParallelStrategy):
             raise ValueError(f"`gpu0_bsz` ({self.gpu0_bsz}) must not exceed the batch size ({batch_size})")
         assert self.parallel_devices is not None
         lines = [f"balanced_dp: a batch of {batch_size} is split over {len(planned)} devices as {planned}"]
-        for index, (device, size) in enumerate(zip(self.parallel_devices, planned)):
+        for index, (device, size) in enumerate(zip(self.parallel_devices, planned, strict=True)):
             share = 100.0 * size / batch_size
             lines.append(f"  device {index} ({device}): {size} samples ({share:.1f}%)" + ("" if size else ", left out"))
         rank_zero_info("\n".join(lines))
@@ -381,4 +389,6 @@ class BalancedDataParallelStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"balanced_dp"`` (even split; pass the class with arguments for another plan)."""
         if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else "")
+            strategy_registry.register(
+                cls.strategy_name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else ""
+            )

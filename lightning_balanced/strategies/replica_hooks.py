@@ -33,6 +33,7 @@ class ReplicaLogRecorder:
         self.calls: dict[str, tuple[Any, dict[str, Any]]] = {}
 
     def log(self, *args: Any, **kwargs: Any) -> None:
+        """Record one call; takes the arguments of ``LightningModule.log``."""
         bound = _LOG_SIGNATURE.bind(None, *args, **kwargs)
         arguments = dict(bound.arguments)
         del arguments["self"]
@@ -45,7 +46,8 @@ class ReplicaLogRecorder:
 def _reduce_name(reduce_fx: object) -> str:
     if isinstance(reduce_fx, str):
         return reduce_fx.lower()
-    return {torch.sum: "sum", torch.max: "max", torch.min: "min"}.get(reduce_fx, "mean")  # type: ignore[call-overload]
+    names: dict[object, str] = {torch.sum: "sum", torch.max: "max", torch.min: "min"}
+    return names.get(reduce_fx, "mean")
 
 
 def _combine(values: Sequence[Any], sizes: Sequence[int], reduce_fx: object, device: torch.device) -> Any:
@@ -63,7 +65,9 @@ def _combine(values: Sequence[Any], sizes: Sequence[int], reduce_fx: object, dev
     return (stacked * weights.view(-1, *([1] * (stacked.dim() - 1)))).sum(0)
 
 
-def replay_logs(module: pl.LightningModule, recorders: Sequence[ReplicaLogRecorder], chunk_sizes: Sequence[int]) -> None:
+def replay_logs(
+    module: pl.LightningModule, recorders: Sequence[ReplicaLogRecorder], chunk_sizes: Sequence[int]
+) -> None:
     """Log each recorded name once on ``module``, combined over the replicas that logged it.
 
     Values are combined by the call's ``reduce_fx``: ``"sum"``, ``"max"``, ``"min"`` across replicas, otherwise the mean
@@ -71,7 +75,11 @@ def replay_logs(module: pl.LightningModule, recorders: Sequence[ReplicaLogRecord
     """
     names = list(dict.fromkeys(name for recorder in recorders for name in recorder.calls))
     for name in names:
-        logged = [(recorder.calls[name], size) for recorder, size in zip(recorders, chunk_sizes) if name in recorder.calls]
+        logged = [
+            (recorder.calls[name], size)
+            for recorder, size in zip(recorders, chunk_sizes, strict=True)
+            if name in recorder.calls
+        ]
         values = [value for (value, _), _ in logged]
         sizes = [size for _, size in logged]
         kwargs = dict(logged[0][0][1])
@@ -99,6 +107,13 @@ class Rendezvous:
         self._broken = False
 
     def call(self, index: int, what: str, contribution: Any, action: Callable[[list[Any]], Any]) -> Any:
+        """Contribute as replica ``index``; the last to arrive runs ``action(contributions)``, all return its result.
+
+        Raises:
+            RuntimeError: the other replicas did not arrive in time (``what`` names the operation), or a previous
+                rendezvous of this step failed.
+            BaseException: whatever ``action`` raised, in every replica.
+        """
         if self.parties == 1:
             return action([contribution])
         with self._condition:

@@ -1,0 +1,423 @@
+"""balanced_dp through Lightning's Trainer, on the CPU emulation (and on CUDA where GPUs exist)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections import namedtuple
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torchmetrics
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import lightning_balanced
+from lightning_balanced import BalancedDataParallelStrategy
+from tests.helpers import RunIf
+
+# float64 everywhere the step is compared with a single-device step: the only differences are the summation order of
+# the per-chunk losses and of the gradient contributions, ~1e-16 relative, so 1e-10 has a wide margin yet would catch
+# an unweighted mean (off by a factor of order chunk_size / batch_size).
+EXACT = {"rtol": 0, "atol": 1e-10}
+
+
+def _trainer(strategy: Any = "balanced_dp", devices: int = 3, **kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    defaults.update(kwargs)
+    return pl.Trainer(strategy=strategy, devices=devices, **defaults)
+
+
+class Regressor(pl.LightningModule):
+    """A float64 MLP whose SGD step can be compared exactly with a single-device step."""
+
+    def __init__(self, batchnorm: bool = False, manual: bool = False, lr: float = 0.5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Linear(5, 7)]
+        if batchnorm:
+            layers.append(nn.BatchNorm1d(7))
+        layers += [nn.Tanh(), nn.Linear(7, 3)]
+        self.net = nn.Sequential(*layers).double()
+        self.lr = lr
+        self.automatic_optimization = not manual
+        self.logged_from: list[str] = []
+        self.train_outputs: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        self.logged_from.append(threading.current_thread().name)
+        super().log(name, value, *args, **kwargs)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        pred = self(x)
+        loss = F.mse_loss(pred, y)
+        self.log("train_loss", loss)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        return {"loss": loss, "pred": pred.detach(), "x": x}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.train_outputs.append(outputs)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _data(n: int = 24, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(
+        torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 3, generator=g, dtype=torch.float64)
+    )
+
+
+def _single_device_step(model: Regressor, dataset: TensorDataset, batch_size: int) -> dict[str, torch.Tensor]:
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=reference.lr)
+    x, y = dataset[:batch_size]
+    F.mse_loss(reference(x), y).backward()
+    opt.step()
+    return {k: v.detach() for k, v in reference.state_dict().items()}
+
+
+def test_strategy_name_is_registered_on_import() -> None:
+    assert "balanced_dp" in StrategyRegistry
+    assert lightning_balanced.register_strategies() == ["balanced_dp"]  # idempotent: a second call does not raise
+    trainer = _trainer(devices=2)
+    assert isinstance(trainer.strategy, BalancedDataParallelStrategy)
+    assert trainer.world_size == 1
+    assert trainer.num_devices == 2
+
+
+@pytest.mark.parametrize(
+    ("strategy_kwargs", "devices"),
+    [
+        ({"chunk_sizes": [2, 9, 5]}, 3),
+        ({"gpu0_bsz": 1}, 4),
+        ({"weights": [1.0, 3.0]}, 2),
+        ({"gpu0_bsz": 0}, 3),
+        ({"chunk_sizes": [16]}, 1),
+    ],
+)
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_uneven_chunks_match_single_device_step(strategy_kwargs: dict[str, Any], devices: int, manual: bool) -> None:
+    dataset = _data(16)
+    model = Regressor(manual=manual)
+    expected = _single_device_step(model, dataset, batch_size=16)
+    trainer = _trainer(BalancedDataParallelStrategy(**strategy_kwargs), devices=devices, max_steps=1)
+    trainer.fit(model, DataLoader(dataset, batch_size=16))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], **EXACT)
+
+
+def test_sum_loss_reduction_matches_single_device_sum_loss() -> None:
+    class SumLoss(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return F.mse_loss(self(x), y, reduction="sum")
+
+    dataset = _data(12)
+    model = SumLoss(lr=0.01)
+    reference = copy.deepcopy(model)
+    F.mse_loss(reference(dataset[:12][0]), dataset[:12][1], reduction="sum").backward()
+    torch.optim.SGD(reference.parameters(), lr=0.01).step()
+    trainer = _trainer(BalancedDataParallelStrategy(chunk_sizes=[3, 4, 5], loss_reduction="sum"), max_steps=1)
+    trainer.fit(model, DataLoader(dataset, batch_size=12))
+    for (name, value), expected in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(value, expected, **EXACT, msg=name)
+
+
+def test_step_outputs_are_gathered_in_batch_order() -> None:
+    dataset = _data(15)
+    model = Regressor(lr=0.0)  # no update, so every batch sees the same weights
+    trainer = _trainer(BalancedDataParallelStrategy(gpu0_bsz=2), max_epochs=1)
+    trainer.fit(model, DataLoader(dataset, batch_size=6))  # batches of 6, 6 and a short 3
+    xs, _ = dataset[:]
+    assert [len(o["x"]) for o in model.train_outputs] == [6, 6, 3]
+    torch.testing.assert_close(torch.cat([o["x"] for o in model.train_outputs]), xs, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([o["pred"] for o in model.train_outputs]), model(xs).detach(), **EXACT)
+    for output in model.train_outputs:
+        assert output["loss"].dim() == 0
+
+
+def test_log_is_the_chunk_weighted_mean_logged_once_from_the_main_thread() -> None:
+    dataset = _data(10)
+    model = Regressor(lr=0.0)
+    trainer = _trainer(BalancedDataParallelStrategy(chunk_sizes=[1, 2, 7]), max_steps=1)
+    trainer.fit(model, DataLoader(dataset, batch_size=10))
+    x, y = dataset[:]
+    full_batch_loss = F.mse_loss(model(x), y).detach()
+    torch.testing.assert_close(trainer.callback_metrics["train_loss"].double(), full_batch_loss, rtol=1e-6, atol=0)
+    assert model.logged_from == [threading.main_thread().name]
+
+
+def test_validate_test_and_predict_equal_single_device() -> None:
+    dataset = _data(13)
+    model = Regressor()
+    loader = DataLoader(dataset, batch_size=13)
+    single = _trainer("auto", devices=1)
+    balanced = _trainer(BalancedDataParallelStrategy(weights=[2, 1, 1]))
+    for stage in ("validate", "test"):
+        expected = getattr(single, stage)(model, loader, verbose=False)[0]
+        got = getattr(balanced, stage)(model, loader, verbose=False)[0]
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert got[key] == pytest.approx(expected[key], rel=1e-6)
+    predictions = balanced.predict(model, DataLoader(dataset, batch_size=5))
+    assert predictions is not None
+    torch.testing.assert_close(torch.cat(predictions), model(dataset[:][0]).detach(), **EXACT)  # type: ignore[arg-type]
+
+
+Pair = namedtuple("Pair", ["inputs", "targets"])
+
+
+class _StructuredData(Dataset):
+    def __init__(self, n: int, kind: str) -> None:
+        self.data = _data(n)
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        x, y = self.data[i]
+        if self.kind == "dict":
+            return {"inputs": x, "targets": y, "name": "constant"}
+        return Pair(x, y)
+
+
+@pytest.mark.parametrize("kind", ["dict", "namedtuple"])
+def test_dict_and_namedtuple_batches_are_split(kind: str) -> None:
+    class Structured(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            inputs = batch["inputs"] if kind == "dict" else batch.inputs
+            targets = batch["targets"] if kind == "dict" else batch.targets
+            if kind == "dict":  # non-tensor leaves are given whole to every replica, as torch's scatter does
+                assert batch["name"] == ["constant"] * 9
+            return F.mse_loss(self(inputs), targets)
+
+    dataset = _StructuredData(9, kind)
+    model = Structured()
+    expected = _single_device_step(model, dataset.data, batch_size=9)
+    _trainer(BalancedDataParallelStrategy(chunk_sizes=[2, 3, 4]), max_steps=1).fit(
+        model, DataLoader(dataset, batch_size=9)
+    )
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], **EXACT)
+
+
+def test_batch_smaller_than_device_count_runs_one_replica_per_chunk() -> None:
+    dataset = _data(2)
+    model = Regressor()
+    expected = _single_device_step(model, dataset, batch_size=2)
+    _trainer(devices=4, max_steps=1).fit(model, DataLoader(dataset, batch_size=2))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], **EXACT)
+
+
+def test_checkpoint_holds_plain_module_state_both_ways(tmp_path: Any) -> None:
+    dataset = _data(12)
+    loader = DataLoader(dataset, batch_size=6)
+    model = Regressor()
+    balanced = _trainer(BalancedDataParallelStrategy(gpu0_bsz=1), max_epochs=1)
+    balanced.fit(model, loader)
+    path = tmp_path / "balanced.ckpt"
+    balanced.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert set(state) == set(Regressor().state_dict())  # no wrapper prefix
+
+    restored = Regressor.load_from_checkpoint(path)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(restored.state_dict()[name], value, rtol=0, atol=0)
+
+    # plain single-device checkpoint resumed under balanced_dp, and the reverse
+    single = _trainer("auto", devices=1, max_epochs=1)
+    single.fit(Regressor(), loader)
+    single_path = tmp_path / "single.ckpt"
+    single.save_checkpoint(single_path)
+    resumed = Regressor()
+    _trainer(BalancedDataParallelStrategy(gpu0_bsz=1), max_epochs=2).fit(resumed, loader, ckpt_path=single_path)
+    continued = Regressor()
+    _trainer("auto", devices=1, max_epochs=2).fit(continued, loader, ckpt_path=path)
+    assert resumed.trainer.global_step == continued.trainer.global_step == 4
+
+
+def test_chunk_of_one_with_batchnorm_names_the_split_setting() -> None:
+    model = Regressor(batchnorm=True)
+    trainer = _trainer(BalancedDataParallelStrategy(gpu0_bsz=1), max_steps=1)
+    with pytest.raises(ValueError, match=r"gpu0_bsz=1.*drop_last") as info:
+        trainer.fit(model, DataLoader(_data(9), batch_size=9))
+    assert "Expected more than 1 value per channel" in str(info.value.__cause__)
+
+
+def test_batchnorm_keeps_replica_zero_running_stats() -> None:
+    dataset = _data(12)
+    model = Regressor(batchnorm=True, lr=0.0)
+    bn = model.net[1]
+    expected = copy.deepcopy(bn)
+    with torch.no_grad():
+        expected(model.net[0](dataset[:4][0]))  # replica 0's chunk: the first 4 samples
+    _trainer(BalancedDataParallelStrategy(chunk_sizes=[4, 4, 4]), max_steps=1).fit(
+        model, DataLoader(dataset, batch_size=12)
+    )
+    torch.testing.assert_close(bn.running_mean, expected.running_mean, **EXACT)
+    torch.testing.assert_close(bn.running_var, expected.running_var, **EXACT)
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_mixed_precision_is_re_entered_in_each_replica() -> None:
+    seen: list[tuple[bool, torch.dtype]] = []
+
+    class Probe(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            out = self.layer(batch[0])
+            assert out.dtype == torch.bfloat16
+            return out.float().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dataset = TensorDataset(torch.randn(8, 4))
+    _trainer(devices=2, precision="bf16-mixed", max_steps=1).fit(Probe(), DataLoader(dataset, batch_size=8))
+    assert seen == [(True, torch.bfloat16)] * 2
+
+
+def test_torchmetrics_metric_updated_in_replicas_sees_every_sample() -> None:
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = nn.Linear(5, 4)
+            self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro")
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.accuracy(self.layer(x), y)
+            self.log("val_acc", self.accuracy)
+
+    g = torch.Generator().manual_seed(3)
+    dataset = TensorDataset(torch.randn(37, 5, generator=g), torch.randint(0, 4, (37,), generator=g))
+    model = Classifier()
+    x, y = dataset[:]
+    expected = (model.layer(x).argmax(1) == y).float().mean().item()
+    result = _trainer(BalancedDataParallelStrategy(gpu0_bsz=2)).validate(
+        model, DataLoader(dataset, batch_size=8), verbose=False
+    )
+    assert result[0]["val_acc"] == pytest.approx(expected, abs=1e-7)
+
+
+def test_plan_is_reported_once_at_fit_start(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        _trainer(BalancedDataParallelStrategy(gpu0_bsz=1), max_epochs=2).fit(
+            Regressor(), DataLoader(_data(12), batch_size=6)
+        )
+    reports = [r.getMessage() for r in caplog.records if "balanced_dp: a batch of" in r.getMessage()]
+    assert len(reports) == 1
+    assert "as [1, 3, 2]" in reports[0]
+    assert len(reports[0].splitlines()) == 4  # the summary and one line per device
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"gpu0_bsz": 2, "weights": [1, 1]}, "at most one of"),
+        ({"gpu0_bsz": -1}, "gpu0_bsz"),
+        ({"chunk_sizes": [2, -1]}, r"chunk_sizes\[1\]"),
+        ({"weights": [1.0, 0.0]}, r"weights\[1\]"),
+        ({"loss_reduction": "median"}, "loss_reduction"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BalancedDataParallelStrategy(**kwargs)
+
+
+def test_setup_rejects_a_plan_for_another_device_count_and_sync_batchnorm() -> None:
+    loader = DataLoader(_data(6), batch_size=6)
+    with pytest.raises(ValueError, match=r"chunk_sizes.*one entry per device \(3\)"):
+        _trainer(BalancedDataParallelStrategy(chunk_sizes=[3, 3]), max_steps=1).fit(Regressor(), loader)
+    with pytest.raises(ValueError, match="sync_batchnorm"):
+        _trainer(devices=2, sync_batchnorm=True, max_steps=1).fit(Regressor(), loader)
+
+
+def test_gpu0_budget_larger_than_the_batch_is_an_error_at_fit_start() -> None:
+    with pytest.raises(ValueError, match=r"gpu0_bsz.*\(8\).*batch size \(6\)"):
+        _trainer(BalancedDataParallelStrategy(gpu0_bsz=8), max_steps=1).fit(
+            Regressor(), DataLoader(_data(6), batch_size=6)
+        )
+
+
+def test_short_last_batch_keeps_explicit_proportions() -> None:
+    strategy = BalancedDataParallelStrategy(chunk_sizes=[2, 4, 6])
+    strategy.parallel_devices = [torch.device("cpu")] * 3
+    assert strategy.plan(12) == [2, 4, 6]
+    assert strategy.plan(6) == [1, 2, 3]
+    assert sum(strategy.plan(5)) == 5
+
+
+@RunIf(min_cuda_gpus=2)
+def test_uneven_chunks_match_single_device_step_on_cuda() -> None:
+    dataset = _data(16)
+    model = Regressor()
+    expected = _single_device_step(model, dataset, batch_size=16)
+    trainer = pl.Trainer(
+        strategy=BalancedDataParallelStrategy(chunk_sizes=[3, 13]),
+        accelerator="cuda",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(model, DataLoader(dataset, batch_size=16))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value.cpu(), expected[name], **EXACT)
+
+
+@RunIf(min_cuda_gpus=2)
+def test_cuda_mixed_precision_and_memory_report(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        pl.Trainer(
+            strategy=BalancedDataParallelStrategy(gpu0_bsz=2),
+            accelerator="cuda",
+            devices=2,
+            max_steps=4,
+            precision="16-mixed",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        ).fit(Regressor().float(), DataLoader(TensorDataset(*(t.float() for t in _data(32).tensors)), batch_size=8))
+    assert any("peak GPU memory" in r.getMessage() for r in caplog.records)
