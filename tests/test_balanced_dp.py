@@ -421,3 +421,45 @@ def test_cuda_mixed_precision_and_memory_report(caplog: pytest.LogCaptureFixture
             enable_progress_bar=False,
         ).fit(Regressor().float(), DataLoader(TensorDataset(*(t.float() for t in _data(32).tensors)), batch_size=8))
     assert any("peak GPU memory" in r.getMessage() for r in caplog.records)
+
+
+def test_standalone_pytorch_lightning_registry_has_its_own_variant() -> None:
+    ptl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.strategies import ParallelStrategy
+    from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+
+    from lightning_balanced.strategies.registration import standalone_strategy
+
+    variant = standalone_strategy(BalancedDataParallelStrategy)
+    assert issubclass(variant, ParallelStrategy)
+    assert StandaloneRegistry["balanced_dp"]["strategy"] is variant
+
+    class Tiny(ptl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(5, 3).double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    dataset = _data(10)
+    model = Tiny()
+    reference = copy.deepcopy(model.layer)
+    F.mse_loss(reference(dataset[:][0]), dataset[:][1]).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    trainer = ptl.Trainer(
+        strategy=variant(chunk_sizes=[7, 3]),
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(dataset, batch_size=10))
+    for got, expected in zip(model.layer.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, **EXACT)

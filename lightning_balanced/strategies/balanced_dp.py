@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -81,54 +81,17 @@ def _has_training_batchnorm(module: Module) -> bool:
     return any(isinstance(m, _BatchNorm) and m.training for m in module.modules())
 
 
-class BalancedDataParallelStrategy(ParallelStrategy):
-    """Single-process data parallel over several devices, each taking a chunk of the batch you choose.
+if TYPE_CHECKING:
+    _StrategyBase = ParallelStrategy
+else:
+    _StrategyBase = object
 
-    Every step, the batch is split along dim 0 by a chunk plan (:func:`~lightning_balanced.parallel.plan_chunk_sizes`),
-    the LightningModule is replicated on each device that got samples, the step (``training_step``,
-    ``validation_step``, ``test_step`` or ``predict_step``) runs on all replicas at once, and the outputs are gathered
-    on the root device (``devices[0]``) in batch order. On CUDA these are torch's ``scatter``/``replicate``/
-    ``parallel_apply``/``gather``; on CPU the same plan runs over virtual devices (one thread per replica), so
-    ``Trainer(accelerator="cpu", devices=N, strategy="balanced_dp")`` behaves like N GPUs would.
 
-    The loss is exact: a 0-dim step output (the loss) from replica ``i`` is weighted by ``chunk_sizes[i] /
-    batch_size``, so with the usual per-chunk mean loss one step equals the single-device step on the whole batch.
-    ``self.log`` inside steps is recorded per replica and logged once per step from the main thread, as the
-    chunk-weighted mean (or the sum/max/min for those ``reduce_fx``). torchmetrics metrics are not replicated: all
-    replicas update the original metric. Manual optimization works: ``manual_backward`` runs once on the weighted sum of
-    the replicas' losses, ``optimizer.step()`` once per step.
+class BalancedDataParallel(_StrategyBase):
+    """The implementation of :class:`BalancedDataParallelStrategy`, free of a Lightning base class.
 
-    What data parallelism changes, as with ``torch.nn.DataParallel``:
-
-    * BatchNorm normalizes each chunk with that chunk's statistics, and only replica 0's running-statistics update
-      persists. A chunk of one sample cannot be batch-normalized in training: such a split raises a ``ValueError``
-      naming the setting to change. For cross-device BN statistics use DDP with SyncBatchNorm.
-    * Inside a step, replicas' ``self.parameters()`` is empty (parameters are broadcast views); use the modules
-      themselves.
-    * ``world_size`` is 1 and there is no ``DistributedSampler``: the dataloader's ``batch_size`` is the whole batch
-      that is split.
-
-    Args:
-        gpu0_bsz: the most samples device 0 takes per batch; the rest is spread evenly over the other devices (the
-            classic ``BalancedDataParallel`` setting; device 0 also holds the gathered outputs). ``0`` leaves device 0
-            to gathering only. A shorter last batch keeps the cap. Must not exceed the batch size.
-        chunk_sizes: explicit samples per device, one entry per device, summing to the dataloader's batch size; a
-            batch of another size (the last one) is split in the same proportions.
-        weights: relative capacity per device (e.g. memory of mixed GPUs); each batch is split proportionally with
-            largest-remainder rounding.
-        loss_reduction: how the step's scalar outputs combine across replicas: ``"mean"`` (the step returns the mean
-            over its chunk, the default) weights each by its chunk's share of the batch; ``"sum"`` (the step returns a
-            sum over its chunk) adds them.
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``;
-            normally filled in by the ``Trainer`` from ``accelerator=`` and ``devices=``.
-
-    Raises:
-        ValueError: more than one of ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative or non-integer size;
-            weights that are not positive and finite; an unknown ``loss_reduction``. At setup: ``chunk_sizes`` or
-            ``weights`` whose length differs from the number of devices, or ``Trainer(sync_batchnorm=True)``.
-
-    Source: Lightning 1.9's ``DataParallelStrategy`` (removed in 2.0) and the ``BalancedDataParallel`` of
-    transformer-xl, with the loss weighted by chunk size instead of an unweighted mean.
+    Combined with ``lightning.pytorch``'s ``ParallelStrategy`` it is :class:`BalancedDataParallelStrategy`; combined
+    with the standalone ``pytorch_lightning`` package's, it is the class that package's registry holds.
     """
 
     strategy_name = "balanced_dp"
@@ -392,3 +355,54 @@ class BalancedDataParallelStrategy(ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else ""
             )
+
+
+class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
+    """Single-process data parallel over several devices, each taking a chunk of the batch you choose.
+
+    Every step, the batch is split along dim 0 by a chunk plan (:func:`~lightning_balanced.parallel.plan_chunk_sizes`),
+    the LightningModule is replicated on each device that got samples, the step (``training_step``,
+    ``validation_step``, ``test_step`` or ``predict_step``) runs on all replicas at once, and the outputs are gathered
+    on the root device (``devices[0]``) in batch order. On CUDA these are torch's ``scatter``/``replicate``/
+    ``parallel_apply``/``gather``; on CPU the same plan runs over virtual devices (one thread per replica), so
+    ``Trainer(accelerator="cpu", devices=N, strategy="balanced_dp")`` behaves like N GPUs would.
+
+    The loss is exact: a 0-dim step output (the loss) from replica ``i`` is weighted by ``chunk_sizes[i] /
+    batch_size``, so with the usual per-chunk mean loss one step equals the single-device step on the whole batch.
+    ``self.log`` inside steps is recorded per replica and logged once per step from the main thread, as the
+    chunk-weighted mean (or the sum/max/min for those ``reduce_fx``). torchmetrics metrics are not replicated: all
+    replicas update the original metric. Manual optimization works: ``manual_backward`` runs once on the weighted sum of
+    the replicas' losses, ``optimizer.step()`` once per step.
+
+    What data parallelism changes, as with ``torch.nn.DataParallel``:
+
+    * BatchNorm normalizes each chunk with that chunk's statistics, and only replica 0's running-statistics update
+      persists. A chunk of one sample cannot be batch-normalized in training: such a split raises a ``ValueError``
+      naming the setting to change. For cross-device BN statistics use DDP with SyncBatchNorm.
+    * Inside a step, replicas' ``self.parameters()`` is empty (parameters are broadcast views); use the modules
+      themselves.
+    * ``world_size`` is 1 and there is no ``DistributedSampler``: the dataloader's ``batch_size`` is the whole batch
+      that is split.
+
+    Args:
+        gpu0_bsz: the most samples device 0 takes per batch; the rest is spread evenly over the other devices (the
+            classic ``BalancedDataParallel`` setting; device 0 also holds the gathered outputs). ``0`` leaves device 0
+            to gathering only. A shorter last batch keeps the cap. Must not exceed the batch size.
+        chunk_sizes: explicit samples per device, one entry per device, summing to the dataloader's batch size; a
+            batch of another size (the last one) is split in the same proportions.
+        weights: relative capacity per device (e.g. memory of mixed GPUs); each batch is split proportionally with
+            largest-remainder rounding.
+        loss_reduction: how the step's scalar outputs combine across replicas: ``"mean"`` (the step returns the mean
+            over its chunk, the default) weights each by its chunk's share of the batch; ``"sum"`` (the step returns a
+            sum over its chunk) adds them.
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``;
+            normally filled in by the ``Trainer`` from ``accelerator=`` and ``devices=``.
+
+    Raises:
+        ValueError: more than one of ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative or non-integer size;
+            weights that are not positive and finite; an unknown ``loss_reduction``. At setup: ``chunk_sizes`` or
+            ``weights`` whose length differs from the number of devices, or ``Trainer(sync_batchnorm=True)``.
+
+    Source: Lightning 1.9's ``DataParallelStrategy`` (removed in 2.0) and the ``BalancedDataParallel`` of
+    transformer-xl, with the loss weighted by chunk size instead of an unweighted mean.
+    """

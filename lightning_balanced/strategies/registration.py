@@ -1,20 +1,62 @@
 """Put this package's strategies in Lightning's ``StrategyRegistry`` so ``Trainer(strategy="<name>")`` finds them.
 
-Lightning fills its registry only from its own modules; external strategies must register themselves. Registering is
-idempotent: a name that is already present is left alone.
+Lightning fills its registry only from its own modules; external strategies must register themselves. The unified
+``lightning`` package (``lightning.pytorch``) and the standalone ``pytorch_lightning`` package keep separate registries
+and separate base classes: each gets a class built on its own ``ParallelStrategy``. Registering is idempotent.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+from typing import Any
+
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_balanced.strategies.balanced_dp import BalancedDataParallelStrategy
+from lightning_balanced.strategies.balanced_dp import BalancedDataParallel, BalancedDataParallelStrategy
 
-STRATEGIES = (BalancedDataParallelStrategy,)
+__all__ = ["register_strategies", "standalone_strategy"]
+
+# (implementation, the class built on lightning.pytorch's ParallelStrategy)
+_STRATEGIES: tuple[tuple[type, type], ...] = ((BalancedDataParallel, BalancedDataParallelStrategy),)
+
+
+@functools.cache
+def standalone_strategy(strategy: type) -> type:
+    """The variant of one of our strategy classes for the standalone ``pytorch_lightning`` package.
+
+    Args:
+        strategy (type): a class exported by this package, e.g. ``BalancedDataParallelStrategy``.
+
+    Returns:
+        type: the same implementation on ``pytorch_lightning.strategies.ParallelStrategy``; pass an instance to a
+        ``pytorch_lightning.Trainer``.
+
+    Raises:
+        ModuleNotFoundError: ``pytorch_lightning`` is not installed.
+        ValueError: ``strategy`` is not one of this package's strategies.
+    """
+    import pytorch_lightning.strategies as standalone
+
+    for implementation, public in _STRATEGIES:
+        if public is strategy:
+            namespace: dict[str, Any] = {"__doc__": public.__doc__, "__module__": __name__}
+            return type(public.__name__, (implementation, standalone.ParallelStrategy), namespace)
+    raise ValueError(f"`strategy` must be one of {[p.__name__ for _, p in _STRATEGIES]}, got {strategy!r}")
 
 
 def register_strategies() -> list[str]:
-    """Register every strategy of the package in ``lightning.pytorch``'s registry; return the names now present."""
-    for strategy in STRATEGIES:
-        strategy.register_strategies(StrategyRegistry)
-    return [name for name, entry in StrategyRegistry.items() if entry["strategy"] in STRATEGIES]
+    """Register every strategy of the package in each installed Lightning registry.
+
+    Returns:
+        list[str]: the names of this package's strategies now in ``lightning.pytorch``'s registry.
+    """
+    for _, public in _STRATEGIES:
+        public.register_strategies(StrategyRegistry)  # type: ignore[attr-defined]
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+
+        for _, public in _STRATEGIES:
+            standalone_strategy(public).register_strategies(StandaloneRegistry)  # type: ignore[attr-defined]
+    ours = {public for _, public in _STRATEGIES}
+    return [name for name, entry in StrategyRegistry.items() if entry["strategy"] in ours]
