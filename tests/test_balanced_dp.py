@@ -463,3 +463,34 @@ def test_standalone_pytorch_lightning_registry_has_its_own_variant() -> None:
     trainer.fit(model, DataLoader(dataset, batch_size=10))
     for got, expected in zip(model.layer.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, expected, **EXACT)
+
+
+class _DivergentManual(Regressor):
+    """Manual optimization where only replicas with more than 3 samples call the optimizer, or replica 1 fails."""
+
+    def __init__(self, failure: str) -> None:
+        super().__init__(manual=True)
+        self.failure = failure
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        if self.failure == "raise" and len(x) == 2:
+            raise KeyError("replica with 2 samples fails")
+        loss = F.mse_loss(self(x), y)
+        if len(x) > 3:
+            self.manual_backward(loss)
+        return loss
+
+
+@pytest.mark.parametrize("failure", ["diverge", "raise"])
+def test_manual_optimization_never_hangs_when_replicas_diverge(failure: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_balanced.strategies.balanced_dp as balanced_dp_module
+
+    monkeypatch.setattr(balanced_dp_module, "_RENDEZVOUS_TIMEOUT_S", 2.0)
+    trainer = _trainer(BalancedDataParallelStrategy(chunk_sizes=[4, 2, 4]), max_steps=1)
+    expected = r"waited 2s for the other replicas to call `manual_backward`" if failure == "diverge" else "fails"
+    with pytest.raises((RuntimeError, KeyError), match=expected) as info:
+        trainer.fit(_DivergentManual(failure), DataLoader(_data(10), batch_size=10))
+    if failure == "raise":  # released at once, with the failing replica's error as the cause
+        error = info.value if isinstance(info.value, KeyError) else info.value.__cause__
+        assert isinstance(error, KeyError)

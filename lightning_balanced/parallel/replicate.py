@@ -15,27 +15,28 @@ __all__ = ["replicate"]
 ModuleT = TypeVar("ModuleT", bound=Module)
 
 
-def _host_copies(tensor: Tensor, num_replicas: int, *, detach: bool, share_first: bool) -> list[Tensor]:
+def _host_copies(tensor: Tensor, num_replicas: int, *, detach: bool, is_buffer: bool) -> list[Tensor]:
     """What ``Broadcast`` gives each replica, emulated on one device.
 
     Tensors that take part in autograd become views (gradients flow back to the original leaf, as through torch's
-    ``Broadcast``); the others alias the original for replica 0 and are cloned for the rest, so in-place updates
-    (BatchNorm running statistics) persist from replica 0 only, exactly as on CUDA.
+    ``Broadcast``). Other parameters are aliased: nothing updates them in place during a forward. Other buffers alias
+    the original for replica 0 and are cloned for the rest, so in-place updates (BatchNorm running statistics)
+    persist from replica 0 only, exactly as on CUDA.
     """
     if tensor.requires_grad and not detach:
         return [tensor.view_as(tensor) for _ in range(num_replicas)]
     base = tensor.detach()
-    return [base if (i == 0 and share_first) else base.clone() for i in range(num_replicas)]
+    return [base.clone() if (is_buffer and i > 0) else base for i in range(num_replicas)]
 
 
 def _replicate_on_host(network: ModuleT, num_replicas: int, detach: bool) -> list[ModuleT]:
     modules = list(network.modules())
     index = {module: i for i, module in enumerate(modules)}
     params = {
-        param: _host_copies(param, num_replicas, detach=detach, share_first=True) for param in network.parameters()
+        param: _host_copies(param, num_replicas, detach=detach, is_buffer=False) for param in network.parameters()
     }
     buffers = {
-        buffer: _host_copies(buffer, num_replicas, detach=detach, share_first=True) for buffer in network.buffers()
+        buffer: _host_copies(buffer, num_replicas, detach=detach, is_buffer=True) for buffer in network.buffers()
     }
 
     copies = [[module._replicate_for_data_parallel() for module in modules] for _ in range(num_replicas)]

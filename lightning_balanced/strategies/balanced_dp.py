@@ -31,6 +31,7 @@ from lightning_balanced.parallel.chunk_sizes import (
 )
 from lightning_balanced.strategies.replica_hooks import (
     Rendezvous,
+    RendezvousAborted,
     ReplicaLogRecorder,
     install_manual_optimization,
     replay_logs,
@@ -47,6 +48,8 @@ _RENDEZVOUS_TIMEOUT_S = 120.0
 class _StepCall:
     name: str
     inference_mode: bool
+    rendezvous: Rendezvous
+    replica_index: int
 
 
 class _StepDispatcher(Module):
@@ -73,8 +76,12 @@ class _StepDispatcher(Module):
 
     @override
     def forward(self, call: _StepCall, *args: Any, **kwargs: Any) -> Any:
-        with torch.inference_mode(call.inference_mode), self._step_context(call.name):
-            return getattr(self.module, call.name)(*args, **kwargs)
+        try:
+            with torch.inference_mode(call.inference_mode), self._step_context(call.name):
+                return getattr(self.module, call.name)(*args, **kwargs)
+        except BaseException as err:
+            call.rendezvous.abort(call.replica_index, err)
+            raise
 
 
 def _has_training_batchnorm(module: Module) -> bool:
@@ -291,15 +298,12 @@ class BalancedDataParallel(_StrategyBase):
             if manual:
                 install_manual_optimization(replica_module, module, i, rendezvous, weights[i])
 
-        call = _StepCall(step_name, torch.is_inference_mode_enabled())
+        inference_mode = torch.is_inference_mode_enabled()
+        inputs = [(_StepCall(step_name, inference_mode, rendezvous, i), *a) for i, (a, _) in enumerate(scattered)]
         try:
-            outputs = parallel_apply(
-                replicas,
-                [(call, *a) for a, _ in scattered],
-                [k for _, k in scattered],
-                devices,
-                executor=self._executor,
-            )
+            outputs = parallel_apply(replicas, inputs, [k for _, k in scattered], devices, executor=self._executor)
+        except RendezvousAborted as err:
+            raise (err.__cause__ or err) from None  # the failing replica's own error, not a waiting one's
         except ValueError as err:
             if 1 in chunk_sizes and step_name == "training_step" and _has_training_batchnorm(module):
                 raise ValueError(

@@ -89,11 +89,15 @@ def replay_logs(
         module.log(name, value, **kwargs)
 
 
+class RendezvousAborted(RuntimeError):
+    """A replica was released from a rendezvous because another failed; ``__cause__`` is that failure."""
+
+
 class Rendezvous:
     """Runs an action once when all ``parties`` threads have called :meth:`call` with their contribution.
 
-    Raises ``RuntimeError`` in every waiting thread when the others do not arrive within ``timeout`` seconds (replicas
-    that call a shared operation a different number of times would otherwise hang).
+    Never hangs: when the others do not arrive within ``timeout`` seconds (replicas that call a shared operation a
+    different number of times), or when a replica fails (:meth:`abort`), every waiting thread raises ``RuntimeError``.
     """
 
     def __init__(self, parties: int, timeout: float) -> None:
@@ -104,21 +108,31 @@ class Rendezvous:
         self._generation = 0
         self._result: Any = None
         self._error: BaseException | None = None
-        self._broken = False
+        self._aborted: tuple[int, BaseException] | None = None
+
+    def abort(self, index: int, error: BaseException) -> None:
+        """Replica ``index`` failed with ``error``: release every replica waiting now or later."""
+        with self._condition:
+            if self._aborted is None:
+                self._aborted = (index, error)
+            self._condition.notify_all()
+
+    def _raise_if_aborted(self, index: int, what: str) -> None:
+        if self._aborted is not None:
+            failed, error = self._aborted
+            raise RendezvousAborted(f"Replica {index} stopped at `{what}` because replica {failed} failed") from error
 
     def call(self, index: int, what: str, contribution: Any, action: Callable[[list[Any]], Any]) -> Any:
         """Contribute as replica ``index``; the last to arrive runs ``action(contributions)``, all return its result.
 
         Raises:
-            RuntimeError: the other replicas did not arrive in time (``what`` names the operation), or a previous
-                rendezvous of this step failed.
+            RuntimeError: the other replicas did not arrive in time (``what`` names the operation), or one failed.
             BaseException: whatever ``action`` raised, in every replica.
         """
         if self.parties == 1:
             return action([contribution])
         with self._condition:
-            if self._broken:
-                raise RuntimeError(f"Replica {index}: a previous rendezvous failed; cannot run `{what}`")
+            self._raise_if_aborted(index, what)
             generation = self._generation
             self._contributions[index] = contribution
             if len(self._contributions) == self.parties:
@@ -130,14 +144,21 @@ class Rendezvous:
                     self._result, self._error = None, err
                 self._generation += 1
                 self._condition.notify_all()
-            elif not self._condition.wait_for(lambda: self._generation != generation, timeout=self.timeout):
-                self._broken = True
-                self._condition.notify_all()
-                raise RuntimeError(
-                    f"Replica {index} waited {self.timeout:.0f}s for the other replicas to call `{what}`. In manual"
-                    " optimization under balanced_dp every replica must call manual_backward, optimizer step/zero_grad,"
-                    " scheduler step and clip_gradients the same number of times, in the same order."
+            else:
+                arrived = self._condition.wait_for(
+                    lambda: self._generation != generation or self._aborted is not None, timeout=self.timeout
                 )
+                self._raise_if_aborted(index, what)
+                if not arrived:
+                    timeout = RuntimeError(
+                        f"Replica {index} waited {self.timeout:.0f}s for the other replicas to call `{what}`. In"
+                        " manual optimization under balanced_dp every replica must call manual_backward, optimizer"
+                        " step/zero_grad, scheduler step and clip_gradients the same number of times, in the same"
+                        " order."
+                    )
+                    self._aborted = (index, timeout)
+                    self._condition.notify_all()
+                    raise timeout
             if self._error is not None:
                 raise self._error
             return self._result
