@@ -494,3 +494,36 @@ def test_manual_optimization_never_hangs_when_replicas_diverge(failure: str, mon
     if failure == "raise":  # released at once, with the failing replica's error as the cause
         error = info.value if isinstance(info.value, KeyError) else info.value.__cause__
         assert isinstance(error, KeyError)
+
+
+class _PluginStrategy(BalancedDataParallelStrategy):
+    strategy_name = "plugin_dp_for_tests"
+
+
+class _BrokenPlugin:
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        raise ValueError("'balanced_dp' is already present in the registry")
+
+
+def test_plugins_in_the_entry_point_group_are_registered_and_a_broken_one_is_only_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import importlib.metadata
+
+    from lightning_balanced.strategies import registration
+
+    ours = list(importlib.metadata.entry_points(group=registration.ENTRY_POINT_GROUP))
+    assert [e.value for e in ours] == ["lightning_balanced.strategies.balanced_dp:BalancedDataParallelStrategy"]
+    plugins = [
+        importlib.metadata.EntryPoint("plugin_dp", f"{__name__}:_PluginStrategy", registration.ENTRY_POINT_GROUP),
+        importlib.metadata.EntryPoint("broken", f"{__name__}:_BrokenPlugin", registration.ENTRY_POINT_GROUP),
+    ]
+    monkeypatch.setattr(registration.importlib.metadata, "entry_points", lambda group: [*ours, *plugins])
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert registration.register_strategies() == ["balanced_dp"]
+        assert StrategyRegistry["plugin_dp_for_tests"]["strategy"] is _PluginStrategy
+        assert any("'broken'" in r.getMessage() for r in caplog.records)
+    finally:
+        StrategyRegistry.pop("plugin_dp_for_tests", None)
