@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from fractions import Fraction
 
 __all__ = ["plan_chunk_sizes"]
 
@@ -27,10 +28,12 @@ def proportional_split(total: int, weights: Sequence[float]) -> list[int]:
     """Split ``total`` proportionally to non-negative ``weights`` with largest-remainder (Hamilton) rounding.
 
     Each part gets ``floor(total * w_i / sum(w))``; the samples left over go one each to the parts with the largest
-    fractional remainders, ties to the lower index. The weights are assumed validated (finite, >= 0, positive sum).
+    fractional remainders, ties to the lower index. Quotas are exact rationals (every float is one), so ties are real
+    ties, not accidents of rounding. The weights are assumed validated (finite, >= 0, positive sum).
     """
-    weight_sum = math.fsum(weights)
-    quotas = [total * w / weight_sum for w in weights]
+    exact = [Fraction(w) for w in weights]
+    weight_sum = sum(exact)
+    quotas = [total * w / weight_sum for w in exact]
     sizes = [math.floor(q) for q in quotas]
     leftover = total - sum(sizes)
     by_remainder = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - sizes[i]), i))

@@ -66,8 +66,10 @@ def gather(outputs: Sequence[Any], target_device: torch.device, weights: Sequenc
             raise ValueError("Some replicas returned None and others did not")
         return None
     if isinstance(first, Mapping):
+        if not all(isinstance(o, Mapping) for o in outputs):
+            raise ValueError(f"Replicas returned different types: {[type(o).__name__ for o in outputs]}")
         keys = list(first.keys())
-        if any(not isinstance(o, Mapping) or list(o.keys()) != keys for o in outputs):
+        if any(set(o.keys()) != set(keys) for o in outputs):
             raise ValueError(f"Replicas returned dicts with different keys: {[list(o) for o in outputs]}")
         mapping_type: Any = type(first)
         return mapping_type((k, gather([o[k] for o in outputs], target_device, weights)) for k in keys)
@@ -80,6 +82,8 @@ def gather(outputs: Sequence[Any], target_device: torch.device, weights: Sequenc
         items = [gather(list(column), target_device, weights) for column in zip(*outputs, strict=True)]
         return type(first)(*items) if _is_namedtuple(first) else type(first)(items)
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        if any(type(o) is not type(first) for o in outputs):
+            raise ValueError(f"Replicas returned different types: {[type(o).__name__ for o in outputs]}")
         fields = {
             f.name: gather([getattr(o, f.name) for o in outputs], target_device, weights)
             for f in dataclasses.fields(first)

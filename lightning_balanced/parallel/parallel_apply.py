@@ -54,7 +54,9 @@ def parallel_apply(
             f"Got {len(replicas)} replicas, {len(inputs)} inputs, {len(kwargs)} kwargs and {len(devices)} devices;"
             " they must match"
         )
-    if devices and devices[0].type == "cuda":
+    if not replicas:
+        return []
+    if devices[0].type == "cuda":
         return list(cuda_parallel_apply(list(replicas), list(inputs), list(kwargs), list(devices)))
 
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
