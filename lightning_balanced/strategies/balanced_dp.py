@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +36,6 @@ from lightning_balanced.strategies.replica_hooks import (
     replay_logs,
     share_metrics,
 )
-
-log = logging.getLogger(__name__)
 
 _REPORT_MEMORY_AFTER_STEPS = 3
 _RENDEZVOUS_TIMEOUT_S = 120.0
