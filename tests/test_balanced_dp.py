@@ -393,15 +393,7 @@ def test_uneven_chunks_match_single_device_step_on_cuda() -> None:
     dataset = _data(16)
     model = Regressor()
     expected = _single_device_step(model, dataset, batch_size=16)
-    trainer = pl.Trainer(
-        strategy=BalancedDataParallelStrategy(chunk_sizes=[3, 13]),
-        accelerator="cuda",
-        devices=2,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-    )
+    trainer = _trainer(BalancedDataParallelStrategy(chunk_sizes=[3, 13]), devices=2, accelerator="cuda", max_steps=1)
     trainer.fit(model, DataLoader(dataset, batch_size=16))
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value.cpu(), expected[name], **EXACT)
@@ -410,16 +402,11 @@ def test_uneven_chunks_match_single_device_step_on_cuda() -> None:
 @RunIf(min_cuda_gpus=2)
 def test_cuda_mixed_precision_and_memory_report(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO):
-        pl.Trainer(
-            strategy=BalancedDataParallelStrategy(gpu0_bsz=2),
-            accelerator="cuda",
-            devices=2,
-            max_steps=4,
-            precision="16-mixed",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-        ).fit(Regressor().float(), DataLoader(TensorDataset(*(t.float() for t in _data(32).tensors)), batch_size=8))
+        trainer = _trainer(
+            BalancedDataParallelStrategy(gpu0_bsz=2), devices=2, accelerator="cuda", max_steps=4, precision="16-mixed"
+        )
+        float_data = TensorDataset(*(t.float() for t in _data(32).tensors))
+        trainer.fit(Regressor().float(), DataLoader(float_data, batch_size=8))
     assert any("peak GPU memory" in r.getMessage() for r in caplog.records)
 
 
