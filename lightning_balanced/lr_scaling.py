@@ -1,0 +1,182 @@
+"""Learning-rate scaling with the effective batch size: the policy, and how it touches optimizers and schedulers.
+
+The rules (Goyal et al. 2017, "Accurate, Large Minibatch SGD"; Krizhevsky 2014 and Hoffer et al. 2017 for the square
+root; Malladi et al. 2022 for sqrt with Adam): when the effective batch grows by ``k`` over the batch the learning
+rate was tuned for, multiply the learning rate by ``k`` (``"linear"``) or ``sqrt(k)`` (``"sqrt"``). Conventions follow
+timm (``--lr-base-size``, ``--lr-base-scale``) and mmengine (``auto_scale_lr`` with ``base_batch_size``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = [
+    "LR_SCALE_FACTOR_KEY",
+    "LRScalingPolicy",
+    "applied_lr_scale_factor",
+    "effective_batch_size",
+    "lr_scale_factor",
+    "rescale_learning_rates",
+    "warmup_multiplier",
+]
+
+LRScalingPolicy = Literal["linear", "sqrt", "none"]
+POLICIES: tuple[str, ...] = ("linear", "sqrt", "none")
+
+#: Key each optimizer param group carries with the factor already applied to it. It is saved with the optimizer state
+#: in every checkpoint, so a resume knows what was applied and nothing is ever scaled twice.
+LR_SCALE_FACTOR_KEY = "lr_scale_factor"
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be >= 1, got {value}")
+    return int(value)
+
+
+def validate_policy(lr_scaling: str) -> LRScalingPolicy:
+    """Return ``lr_scaling`` if it is a known policy.
+
+    Raises:
+        ValueError: not one of ``"linear"``, ``"sqrt"``, ``"none"``.
+    """
+    if lr_scaling not in POLICIES:
+        raise ValueError(f"`lr_scaling` must be one of {list(POLICIES)}, got {lr_scaling!r}")
+    return lr_scaling  # type: ignore[return-value]
+
+
+def effective_batch_size(per_device_batch_size: int, world_size: int, accumulate_grad_batches: int = 1) -> int:
+    """Samples behind one optimizer step: ``per_device_batch_size * world_size * accumulate_grad_batches``.
+
+    Args:
+        per_device_batch_size (int): the dataloader's batch size on each process.
+        world_size (int): number of processes over all nodes.
+        accumulate_grad_batches (int): batches accumulated per optimizer step.
+
+    Raises:
+        TypeError: an argument is not an integer.
+        ValueError: an argument is < 1.
+    """
+    return (
+        _positive_int("per_device_batch_size", per_device_batch_size)
+        * _positive_int("world_size", world_size)
+        * _positive_int("accumulate_grad_batches", accumulate_grad_batches)
+    )
+
+
+def lr_scale_factor(lr_scaling: str, effective_batch_size: int, reference_batch_size: int) -> float:
+    """The factor by which the base learning rate is multiplied.
+
+    Args:
+        lr_scaling (str): ``"linear"``: ``effective / reference``; ``"sqrt"``: ``sqrt(effective / reference)``;
+            ``"none"``: ``1``.
+        effective_batch_size (int): samples per optimizer step now.
+        reference_batch_size (int): samples per optimizer step the base learning rate was tuned for.
+
+    Returns:
+        float: the factor, > 0.
+
+    Raises:
+        ValueError: unknown policy or a batch size < 1.
+        TypeError: a batch size is not an integer.
+    """
+    policy = validate_policy(lr_scaling)
+    ratio = _positive_int("effective_batch_size", effective_batch_size) / _positive_int(
+        "reference_batch_size", reference_batch_size
+    )
+    return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[policy]
+
+
+def warmup_multiplier(step: int, warmup_steps: int, factor: float) -> float:
+    """Gradual warmup (Goyal et al. 2017, §2.2): the multiplier on the scaled learning rate at optimizer step ``step``.
+
+    It rises linearly from ``1 / factor`` (the unscaled base learning rate) at step 0 to ``1`` (the scaled learning
+    rate) at ``warmup_steps``, and stays ``1`` after; with ``warmup_steps == 0`` or ``factor <= 1`` it is always 1.
+    """
+    if step >= warmup_steps or factor <= 1.0:
+        return 1.0
+    start = 1.0 / factor
+    return start + (1.0 - start) * step / warmup_steps
+
+
+def _walk_schedulers(schedulers: Iterable[Any]) -> Iterator[Any]:
+    for scheduler in schedulers:
+        yield scheduler
+        yield from _walk_schedulers(getattr(scheduler, "_schedulers", ()))  # SequentialLR, ChainedScheduler
+
+
+def _scale(value: Any, ratio: float) -> Any:
+    if isinstance(value, Tensor):
+        return value.mul_(ratio)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_scale(v, ratio) for v in value)
+    return value * ratio
+
+
+# Learning rates held in a param group (OneCycleLR keeps its range there) and in schedulers (absolute floors and
+# ranges included, so the whole schedule is multiplied by the factor: lr_t(scaled) == factor * lr_t(unscaled)).
+_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+_SCHEDULER_ATTRIBUTES = ("base_lrs", "max_lrs", "min_lrs", "eta_min", "_last_lr")
+
+
+def applied_lr_scale_factor(optimizer: Optimizer) -> float:
+    """The factor already applied to ``optimizer`` (1.0 if none), read from its param groups.
+
+    Raises:
+        ValueError: the param groups disagree (some were scaled and others not, e.g. a group added later).
+    """
+    factors = {group.get(LR_SCALE_FACTOR_KEY, 1.0) for group in optimizer.param_groups}
+    if len(factors) > 1:
+        raise ValueError(
+            f"The param groups of {type(optimizer).__name__} carry different `{LR_SCALE_FACTOR_KEY}` values"
+            f" {sorted(factors)}; groups added after scaling must be given the scaled learning rate and the key"
+        )
+    return factors.pop() if factors else 1.0
+
+
+def rescale_learning_rates(optimizer: Optimizer, schedulers: Iterable[Any], factor: float) -> float:
+    """Bring ``optimizer`` and its ``schedulers`` to ``factor`` times the base learning rates; return the ratio applied.
+
+    Multiplies by ``factor / applied`` (``applied`` = the factor stored in the param groups, 1.0 at first): every
+    param group's ``lr``, ``initial_lr``, ``max_lr``, ``min_lr`` (each group keeps its own ratio), and each scheduler's
+    ``base_lrs``, ``max_lrs``, ``min_lrs``, ``eta_min``, last learning rates, recursing into ``SequentialLR`` and
+    ``ChainedScheduler``. Calling it again with the same factor changes nothing; after a resume on another world size it
+    rescales by new/old.
+
+    Args:
+        optimizer (Optimizer): the optimizer whose learning rates are the base ones (or already scaled by the stored
+            factor).
+        schedulers (Iterable): the schedulers attached to ``optimizer`` (``torch.optim.lr_scheduler`` objects, including
+            ``ReduceLROnPlateau``).
+        factor (float): the target factor, > 0.
+
+    Returns:
+        float: the ratio that was applied (1.0 when nothing changed).
+
+    Raises:
+        ValueError: ``factor`` is not positive and finite, or the groups disagree on the stored factor.
+    """
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"`factor` must be positive and finite, got {factor!r}")
+    ratio = factor / applied_lr_scale_factor(optimizer)
+    if ratio != 1.0:
+        for group in optimizer.param_groups:
+            for key in _GROUP_KEYS:
+                if key in group:
+                    group[key] = _scale(group[key], ratio)
+        for scheduler in _walk_schedulers(schedulers):
+            for attribute in _SCHEDULER_ATTRIBUTES:
+                value = getattr(scheduler, attribute, None)
+                if isinstance(value, (numbers.Real, Tensor, list, tuple)) and not isinstance(value, bool):
+                    setattr(scheduler, attribute, _scale(value, ratio))
+    for group in optimizer.param_groups:
+        group[LR_SCALE_FACTOR_KEY] = factor
+    return ratio
