@@ -1,0 +1,40 @@
+// Preconditions shared by the CPU and CUDA kernels of nms and batched_nms.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace lightning_balanced {
+
+inline void check_nms_args(const char* op, const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
+                           int64_t offset) {
+  TORCH_CHECK_VALUE(boxes.dim() == 2 && boxes.size(1) == 4, op, ": boxes must have shape (N, 4), got ",
+                    boxes.sizes());
+  TORCH_CHECK_VALUE(scores.dim() == 1, op, ": scores must have shape (N,), got ", scores.sizes());
+  TORCH_CHECK_VALUE(boxes.size(0) == scores.size(0), op, ": boxes and scores must have the same length N, got ",
+                    boxes.size(0), " boxes and ", scores.size(0), " scores");
+  const auto dt = boxes.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16, op,
+                   ": boxes must be float16, bfloat16, float32 or float64, got ", dt);
+  TORCH_CHECK_TYPE(scores.scalar_type() == dt, op, ": scores must have the dtype of boxes (", dt, "), got ",
+                   scores.scalar_type());
+  TORCH_CHECK_VALUE(boxes.device() == scores.device(), op, ": boxes and scores must be on the same device, got ",
+                    boxes.device(), " and ", scores.device());
+  TORCH_CHECK_VALUE(iou_threshold >= 0.0 && iou_threshold <= 1.0, op,
+                    ": iou_threshold must be a number in [0, 1], got ", iou_threshold);
+  TORCH_CHECK_VALUE(offset == 0 || offset == 1, op, ": offset must be 0 or 1, got ", offset);
+  TORCH_CHECK_VALUE(boxes.size(0) <= std::numeric_limits<int32_t>::max(), op,
+                    ": at most 2^31 - 1 boxes are supported, got ", boxes.size(0));
+}
+
+inline void check_idxs_arg(const at::Tensor& boxes, const at::Tensor& idxs) {
+  TORCH_CHECK_VALUE(idxs.dim() == 1 && idxs.size(0) == boxes.size(0),
+                    "batched_nms: idxs must have shape (N,) with N = ", boxes.size(0), ", got ", idxs.sizes());
+  TORCH_CHECK_TYPE(idxs.scalar_type() == at::kLong, "batched_nms: idxs must be int64, got ", idxs.scalar_type());
+  TORCH_CHECK_VALUE(idxs.device() == boxes.device(), "batched_nms: idxs must be on the device of boxes (",
+                    boxes.device(), "), got ", idxs.device());
+}
+
+}  // namespace lightning_balanced
