@@ -1,14 +1,23 @@
 """PyTorch Lightning plugins for one multi-GPU box.
 
-Importing the package registers its strategies, so ``Trainer(strategy="balanced_dp")`` works.
+Importing the package registers its strategies, so ``Trainer(strategy="balanced_dp")`` and
+``Trainer(strategy="ddp_lr_linear")`` work.
 """
 
 from lightning_balanced.parallel import plan_chunk_sizes
-from lightning_balanced.strategies import BalancedDataParallelStrategy
+from lightning_balanced.strategies import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.strategies.registration import register_strategies
+from lightning_balanced.sync_batchnorm import SyncBatchNorm
 
 __version__ = "0.1.0.dev0"
 
 register_strategies()
 
-__all__ = ["BalancedDataParallelStrategy", "__version__", "plan_chunk_sizes", "register_strategies"]
+__all__ = [
+    "BalancedDataParallelStrategy",
+    "LRScaledDDPStrategy",
+    "SyncBatchNorm",
+    "__version__",
+    "plan_chunk_sizes",
+    "register_strategies",
+]

@@ -110,7 +110,7 @@ def _single_device_step(model: Regressor, dataset: TensorDataset, batch_size: in
 
 def test_strategy_name_is_registered_on_import() -> None:
     assert "balanced_dp" in StrategyRegistry
-    assert lightning_balanced.register_strategies() == ["balanced_dp"]  # idempotent: a second call does not raise
+    assert "balanced_dp" in lightning_balanced.register_strategies()  # idempotent: a second call does not raise
     trainer = _trainer(devices=2)
     assert isinstance(trainer.strategy, BalancedDataParallelStrategy)
     assert trainer.world_size == 1
@@ -509,7 +509,7 @@ def test_plugins_in_the_entry_point_group_are_registered_and_a_broken_one_is_onl
     monkeypatch.setattr(registration.importlib.metadata, "entry_points", lambda group: [*ours, *plugins])
     try:
         with caplog.at_level(logging.WARNING):
-            assert registration.register_strategies() == ["balanced_dp"]
+            assert "balanced_dp" in registration.register_strategies()
         assert StrategyRegistry["plugin_dp_for_tests"]["strategy"] is _PluginStrategy
         assert any("'broken'" in r.getMessage() for r in caplog.records)
     finally:

@@ -18,6 +18,7 @@ from typing import Any
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_balanced.strategies.balanced_dp import BalancedDataParallel, BalancedDataParallelStrategy
+from lightning_balanced.strategies.ddp import LRScaledDDPStrategy
 
 __all__ = ["ENTRY_POINT_GROUP", "register_strategies", "standalone_strategy"]
 
@@ -25,8 +26,12 @@ ENTRY_POINT_GROUP = "lightning_balanced.strategies"
 
 log = logging.getLogger(__name__)
 
-# (implementation, the class built on lightning.pytorch's ParallelStrategy)
-_STRATEGIES: tuple[tuple[type, type], ...] = ((BalancedDataParallel, BalancedDataParallelStrategy),)
+# (base-free implementation or None, the class built on lightning.pytorch's base). Only strategies with a base-free
+# implementation get a standalone `pytorch_lightning` variant.
+_STRATEGIES: tuple[tuple[type | None, type], ...] = (
+    (BalancedDataParallel, BalancedDataParallelStrategy),
+    (None, LRScaledDDPStrategy),
+)
 
 
 @functools.cache
@@ -47,10 +52,11 @@ def standalone_strategy(strategy: type) -> type:
     import pytorch_lightning.strategies as standalone
 
     for implementation, public in _STRATEGIES:
-        if public is strategy:
+        if public is strategy and implementation is not None:
             namespace: dict[str, Any] = {"__doc__": public.__doc__, "__module__": __name__}
             return type(public.__name__, (implementation, standalone.ParallelStrategy), namespace)
-    raise ValueError(f"`strategy` must be one of {[p.__name__ for _, p in _STRATEGIES]}, got {strategy!r}")
+    names = [public.__name__ for implementation, public in _STRATEGIES if implementation is not None]
+    raise ValueError(f"`strategy` must be one of {names}, got {strategy!r}")
 
 
 def register_strategies() -> list[str]:
@@ -72,6 +78,7 @@ def register_strategies() -> list[str]:
     if importlib.util.find_spec("pytorch_lightning") is not None:
         from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
 
-        for _, public in _STRATEGIES:
-            standalone_strategy(public).register_strategies(StandaloneRegistry)  # type: ignore[attr-defined]
+        for implementation, public in _STRATEGIES:
+            if implementation is not None:
+                standalone_strategy(public).register_strategies(StandaloneRegistry)  # type: ignore[attr-defined]
     return [name for name, entry in StrategyRegistry.items() if entry["strategy"] in ours]

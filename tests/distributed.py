@@ -1,0 +1,180 @@
+"""Run a function on N CPU ranks joined by a real gloo process group, and bring the results back to the test.
+
+Usage::
+
+    def _check(rank: int, world_size: int, scale: float) -> torch.Tensor:  # module level, so spawn can pickle it
+        t = torch.full((2,), float(rank) * scale)
+        torch.distributed.all_reduce(t)
+        return t
+
+    results = run_distributed(_check, 2, 3.0)  # [tensor([3., 3.]), tensor([3., 3.])], in rank order
+
+Each rank is a fresh process (``torch.multiprocessing`` spawn context: it imports torch and the test module again,
+``import lightning_balanced`` alone takes about 8 s on a 2-core CI machine because it imports Lightning, so batch
+many checks into one call). Inside a rank:
+
+* the default process group is initialized with ``backend="gloo"``, ``init_method="env://"`` on 127.0.0.1 and a free
+  port, and ``timeout=timedelta(seconds=timeout_s / 2)``, so a collective that never completes raises in the rank
+  (with gloo's "Timed out" message) before the overall timeout fires;
+* ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` are set, so
+  Lightning's cluster environment reads the same topology;
+* ``torch.set_num_threads(1)``: N ranks share the CI machine's few cores;
+* the process group is destroyed after ``fn`` returns or raises.
+
+Results travel back pickled (plain :mod:`pickle`, tensors by value, not through shared memory), so they must be
+picklable. Warnings in the ranks are not turned into errors (pytest's filter applies to the parent only).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["DistributedRankError", "run_distributed"]
+
+# After the first failing rank, how long to wait for the others' reports (often the root cause is on another rank).
+_ERROR_GRACE_S = 3.0
+
+
+class DistributedRankError(RuntimeError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+def _free_port() -> int:
+    """A localhost TCP port that was free a moment ago (the OS picks it when binding port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    pg_timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    conn: Connection,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        try:
+            message = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        message = ("error", traceback.format_exc())
+    try:
+        payload = pickle.dumps(message)
+    except Exception:
+        payload = pickle.dumps(("error", "the result of fn could not be pickled:\n" + traceback.format_exc()))
+    conn.send_bytes(payload)
+    conn.close()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned CPU ranks in one gloo group; return the results.
+
+    Args:
+        fn: a module-level (picklable) function; its return value must be picklable.
+        world_size: number of ranks, >= 1.
+        *args: passed to ``fn`` on every rank after ``rank`` and ``world_size`` (pickled once per rank).
+        timeout_s: limit for the whole run, start-up included. The default process group's timeout (how long a
+            collective waits for its peers before raising in the rank) is half of it; for a shorter one, make a group
+            inside ``fn`` with ``torch.distributed.new_group(timeout=...)``.
+
+    Returns:
+        list: ``fn``'s return values, index = rank.
+
+    Raises:
+        DistributedRankError: a rank raised (its traceback is in the message; so are those of other ranks that failed
+            within a few seconds), or exited without reporting (crash, killed).
+        TimeoutError: not every rank reported within ``timeout_s`` (a hang). All ranks are killed either way.
+    """
+    if world_size < 1:
+        raise ValueError(f"`world_size` must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs: list[Any] = []
+    readers: dict[Connection, int] = {}
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    first_error_at = 0.0
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, timeout_s / 2, fn, args, writer),
+                name=f"run_distributed-rank{rank}",
+            )
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            readers[reader] = rank
+
+        while readers:
+            now = time.monotonic()
+            if errors:
+                deadline = min(deadline, first_error_at + _ERROR_GRACE_S)
+            if now >= deadline:
+                break
+            ready = wait([*readers, *(procs[r].sentinel for r in readers.values())], timeout=deadline - now)
+            for reader in [r for r in readers if r in ready or r.poll()]:
+                rank = readers.pop(reader)
+                try:
+                    status, payload = pickle.loads(reader.recv_bytes())
+                except EOFError:
+                    status, payload = "error", f"exited without a result (exit code {procs[rank].exitcode})"
+                reader.close()
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    if not errors:
+                        first_error_at = time.monotonic()
+                    errors[rank] = payload
+            # A rank whose process ended with nothing left to read crashed (poll() above saw no data).
+            for reader, rank in list(readers.items()):
+                if procs[rank].exitcode is not None and not reader.poll():
+                    readers.pop(reader)
+                    reader.close()
+                    if not errors:
+                        first_error_at = time.monotonic()
+                    errors[rank] = f"exited without a result (exit code {procs[rank].exitcode})"
+    finally:
+        for proc in procs:
+            proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if not errors else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    if errors:
+        report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(errors.items()))
+        raise DistributedRankError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
+    if len(results) < world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout_s} s (killed)")
+    return [results[rank] for rank in range(world_size)]
