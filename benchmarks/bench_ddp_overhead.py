@@ -6,6 +6,7 @@ are warm-up and not counted). Printed ratios are ours / anchor:
 
 * ``lr_scaled_ddp / ddp``: both with plain BatchNorm; scaling happens at fit start, so a step should cost the same
   (target <= 1.02);
+* ``ddp_again / ddp``: an A/A control, DDPStrategy against itself, which shows this run's noise floor;
 * ``sync_bn / plain_bn``: LRScaledDDPStrategy with its default SyncBatchNorm against DDPStrategy with BatchNorm.
 
 Usage: ``python benchmarks/bench_ddp_overhead.py [--steps 150] [--rounds 4]``
@@ -73,7 +74,7 @@ class StepTimer(pl.Callback):
 
 
 def _strategy(name: str) -> Any:
-    if name == "ddp":
+    if name in ("ddp", "ddp_again"):
         return DDPStrategy()
     if name == "lr_scaled_ddp":
         return LRScaledDDPStrategy(sync_batchnorm=False)
@@ -90,9 +91,10 @@ def _rank(rank: int, world_size: int, port: int, steps: int, rounds: int, queue:
     data = TensorDataset(
         torch.randn(steps * 16, 3, 16, 16, generator=g), torch.randint(0, 10, (steps * 16,), generator=g)
     )
-    times: dict[str, list[float]] = {"ddp": [], "lr_scaled_ddp": [], "sync_bn": []}
-    for _ in range(rounds):
-        for name in times:
+    times: dict[str, list[float]] = {"ddp": [], "lr_scaled_ddp": [], "ddp_again": [], "sync_bn": []}
+    for round_index in range(rounds):
+        order = list(times) if round_index % 2 == 0 else list(reversed(times))  # no configuration always goes first
+        for name in order:
             timer = StepTimer()
             trainer = pl.Trainer(
                 accelerator="cpu",
@@ -115,7 +117,7 @@ def _rank(rank: int, world_size: int, port: int, steps: int, rounds: int, queue:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps per fit")
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the three configurations")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds of the configurations")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,6 +129,7 @@ def main() -> None:
     for name, value in medians.items():
         print(f"{name:>14}: {1e3 * value:8.3f} ms/step (median, 2 gloo CPU processes)")
     print(f"lr_scaled_ddp / ddp = {medians['lr_scaled_ddp'] / medians['ddp']:.3f}  (target <= 1.02)")
+    print(f"ddp_again / ddp = {medians['ddp_again'] / medians['ddp']:.3f}  (A/A control: the noise floor of this run)")
     print(f"sync_bn / plain_bn = {medians['sync_bn'] / medians['ddp']:.3f}")
     print(f"ratio={medians['lr_scaled_ddp'] / medians['ddp']:.3f}")
 
