@@ -4,6 +4,7 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 ``Trainer(strategy="ddp_lr_linear")`` work.
 """
 
+from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
 from lightning_balanced.parallel import plan_chunk_sizes
 from lightning_balanced.strategies import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.strategies.registration import register_strategies
@@ -15,6 +16,8 @@ register_strategies()
 
 __all__ = [
     "BalancedDataParallelStrategy",
+    "DistributedEvalMixin",
+    "IndexedDataset",
     "LRScaledDDPStrategy",
     "SyncBatchNorm",
     "__version__",

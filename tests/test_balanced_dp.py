@@ -501,7 +501,10 @@ def test_plugins_in_the_entry_point_group_are_registered_and_a_broken_one_is_onl
     from lightning_balanced.strategies import registration
 
     ours = list(importlib.metadata.entry_points(group=registration.ENTRY_POINT_GROUP))
-    assert [e.value for e in ours] == ["lightning_balanced.strategies.balanced_dp:BalancedDataParallelStrategy"]
+    assert {e.value for e in ours} == {
+        "lightning_balanced.strategies.balanced_dp:BalancedDataParallelStrategy",
+        "lightning_balanced.strategies.ddp:LRScaledDDPStrategy",
+    }
     plugins = [
         importlib.metadata.EntryPoint("plugin_dp", f"{__name__}:_PluginStrategy", registration.ENTRY_POINT_GROUP),
         importlib.metadata.EntryPoint("broken", f"{__name__}:_BrokenPlugin", registration.ENTRY_POINT_GROUP),
