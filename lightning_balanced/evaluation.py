@@ -217,7 +217,7 @@ def _gather(
         "leaves": leaf_meta,
         "has_indices": has_indices,
         "rows": {path: _rows(kind, value) for path, (kind, value) in local_leaves.items()},
-        "samples": _samples(local_leaves, buffer),
+        "samples": _samples(buffer),
         "objects": objects,
     }
     metas: list[dict[str, Any]] = [meta]
@@ -313,8 +313,8 @@ def _rows(kind: str, value: Any) -> int:
     return int(value.shape[0]) if kind == "tensor" else len(value)
 
 
-def _samples(local_leaves: dict[str, tuple[str, Any]], buffer: _Buffer) -> int:
-    return sum(_num_samples(leaves[0][0], leaves[0][1]) for _, leaves, _ in buffer.calls) if buffer.calls else 0
+def _samples(buffer: _Buffer) -> int:
+    return sum(_num_samples(*leaves[0]) for _, leaves, _ in buffer.calls)
 
 
 def _gather_dtype(
