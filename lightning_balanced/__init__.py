@@ -4,6 +4,7 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 ``Trainer(strategy="ddp_lr_linear")`` work.
 """
 
+from lightning_balanced.detection import coco_map, postprocess_detections
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
 from lightning_balanced.parallel import plan_chunk_sizes
 from lightning_balanced.strategies import BalancedDataParallelStrategy, LRScaledDDPStrategy
@@ -21,6 +22,8 @@ __all__ = [
     "LRScaledDDPStrategy",
     "SyncBatchNorm",
     "__version__",
+    "coco_map",
     "plan_chunk_sizes",
+    "postprocess_detections",
     "register_strategies",
 ]
