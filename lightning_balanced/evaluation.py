@@ -159,14 +159,9 @@ def _detach(value: Any) -> Any:
 def _local_problem(buffer: _Buffer) -> str | None:
     if len({signature[:2] for signature in buffer.signatures}) > 1:
         return "the per-sample fields (names, dtypes or trailing shapes) changed between calls on one rank"
-    with_indices = {signature[2] for signature in buffer.signatures}
-    if len(with_indices) > 1:
+    if len({signature[2] for signature in buffer.signatures}) > 1:
         return "`indices` was given in some calls and not in others"
-    if with_indices == {True}:
-        local = torch.cat([i for _, _, i in buffer.calls if i is not None])
-        if _has_repeats(local):
-            return "`indices` holds the same sample index twice on one rank (across calls)"
-    return None
+    return None  # an index repeated across calls is found after the gather, on the blocks every rank holds
 
 
 def _has_repeats(indices: Tensor) -> bool:
@@ -332,6 +327,14 @@ def _gather(
     else:
         keep: Tensor
         if indices is not None:
+            # In the interleaved layout no rank can repeat an index; elsewhere check each rank's block. Every rank
+            # holds all blocks, so every rank raises the same error.
+            repeats = [r for r, block in enumerate(gathered[_INDICES]) if _has_repeats(block.cpu())]
+            if repeats:
+                raise ValueError(
+                    "Cannot gather the evaluation outputs: "
+                    + "; ".join(f"rank {r}: `indices` holds the same sample index twice on one rank" for r in repeats)
+                )
             keep = _first_occurrence_by_index(indices)
             result_indices = indices.index_select(0, keep)
         else:
@@ -380,8 +383,8 @@ def _interleaved_size(indices: Tensor | None, samples: list[int], dataset_size: 
     if n is None or not world_size * (longest - 1) < n <= world_size * longest:
         return None
     if indices is not None:
-        expected = torch.arange(world_size * longest, dtype=torch.int64).remainder_(n)
-        if not torch.equal(indices.reshape(world_size, longest), expected.reshape(longest, world_size).t()):
+        expected = (torch.arange(longest) * world_size).unsqueeze(0) + torch.arange(world_size).unsqueeze(1)
+        if not torch.equal(indices.view(world_size, longest), expected.remainder_(n)):
             return None
     return n
 
