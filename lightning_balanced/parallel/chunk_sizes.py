@@ -82,13 +82,7 @@ def plan_chunk_sizes(
     """
     batch_size = _check_count("batch_size", batch_size)
     num_devices = _check_count("num_devices", num_devices, minimum=1)
-    given = [
-        name
-        for name, value in (("gpu0_bsz", gpu0_bsz), ("chunk_sizes", chunk_sizes), ("weights", weights))
-        if value is not None
-    ]
-    if len(given) > 1:
-        raise ValueError(f"Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got {' and '.join(given)}")
+    check_one_split_option(gpu0_bsz, chunk_sizes, weights)
 
     if chunk_sizes is not None:
         sizes = validate_chunk_sizes(chunk_sizes, num_devices)
@@ -114,6 +108,14 @@ def plan_chunk_sizes(
         return [first, *_even_split(batch_size - first, num_devices - 1)]
 
     return _even_split(batch_size, num_devices)
+
+
+def check_one_split_option(gpu0_bsz: object, chunk_sizes: object, weights: object) -> None:
+    """Raise ``ValueError`` when more than one of ``gpu0_bsz``, ``chunk_sizes`` and ``weights`` is given."""
+    options = (("gpu0_bsz", gpu0_bsz), ("chunk_sizes", chunk_sizes), ("weights", weights))
+    given = [name for name, value in options if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got {' and '.join(given)}")
 
 
 def validate_gpu0_bsz(gpu0_bsz: int) -> int:

@@ -82,20 +82,25 @@ def scatter(batch: Any, chunk_sizes: Sequence[int], devices: Sequence[torch.devi
         raise ValueError(f"`chunk_sizes` has {len(chunk_sizes)} entries but there are {len(devices)} devices")
     if any(size <= 0 for size in chunk_sizes):
         raise ValueError(f"`chunk_sizes` must be positive (leave empty devices out), got {list(chunk_sizes)}")
-    batch_size = infer_batch_size(batch)
-    if sum(chunk_sizes) != batch_size:
-        raise ValueError(
-            f"`chunk_sizes` {list(chunk_sizes)} sum to {sum(chunk_sizes)}, not the batch size {batch_size}"
-        )
+    total = sum(chunk_sizes)
 
     chunks: dict[int, tuple[Tensor, ...]] = {}
 
     def split_once(tensor: Tensor) -> Tensor:
         if tensor.dim() > 0 and id(tensor) not in chunks:
+            if tensor.shape[0] != total:
+                raise ValueError(
+                    f"A tensor of shape {tuple(tensor.shape)} has {tensor.shape[0]} samples in dim 0, but"
+                    f" `chunk_sizes` {list(chunk_sizes)} sum to {total}; every tensor of the batch must share dim 0"
+                )
             chunks[id(tensor)] = _split(tensor, chunk_sizes, devices)
         return tensor
 
-    apply_to_collection(batch, Tensor, split_once)
+    apply_to_collection(batch, Tensor, split_once)  # one walk: checks dim 0 and splits
+    if not chunks:
+        raise ValueError(
+            f"Cannot split a batch that holds no tensor with a batch dimension (dim 0); got {type(batch).__name__}"
+        )
 
     def pick(i: int) -> Any:
         def leaf(tensor: Tensor) -> Tensor:

@@ -19,10 +19,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_balanced.parallel import gather, infer_batch_size, parallel_apply, plan_chunk_sizes, replicate, scatter
 from lightning_balanced.parallel.chunk_sizes import (
+    check_one_split_option,
     proportional_split,
     validate_chunk_sizes,
     validate_gpu0_bsz,
@@ -32,6 +34,7 @@ from lightning_balanced.strategies.replica_hooks import (
     Rendezvous,
     RendezvousAborted,
     ReplicaLogRecorder,
+    find_metrics,
     install_manual_optimization,
     replay_logs,
     share_metrics,
@@ -118,11 +121,7 @@ class BalancedDataParallel(_StrategyBase):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        given = [
-            n for n, v in (("gpu0_bsz", gpu0_bsz), ("chunk_sizes", chunk_sizes), ("weights", weights)) if v is not None
-        ]
-        if len(given) > 1:
-            raise ValueError(f"Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got {' and '.join(given)}")
+        check_one_split_option(gpu0_bsz, chunk_sizes, weights)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
         self.gpu0_bsz = None if gpu0_bsz is None else validate_gpu0_bsz(gpu0_bsz)
@@ -132,6 +131,7 @@ class BalancedDataParallel(_StrategyBase):
         self._dispatcher: _StepDispatcher | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._metric_lock = threading.Lock()
+        self._metrics: dict[str, Metric] = {}
         self._plan_reported = False
         self._training_steps = 0
 
@@ -225,6 +225,7 @@ class BalancedDataParallel(_StrategyBase):
         super().setup(trainer)
         assert self.lightning_module is not None
         self._dispatcher = _StepDispatcher(self.lightning_module, self.precision_plugin)
+        self._metrics = find_metrics(self.lightning_module)
         if num_devices > 1 and self.root_device.type != "cuda" and self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=num_devices - 1, thread_name_prefix="balanced_dp")
 
@@ -291,7 +292,7 @@ class BalancedDataParallel(_StrategyBase):
             replica_module = replica.module
             replica_module._device = device
             replica_module.log = recorders[i].log  # type: ignore[method-assign]
-            share_metrics(replica_module, module, self._metric_lock)
+            share_metrics(replica_module, self._metrics, self._metric_lock)
             if manual:
                 install_manual_optimization(replica_module, module, i, rendezvous, weights[i])
 

@@ -266,14 +266,15 @@ class _SharedMetric(Module):
         return getattr(self.__dict__["metric"], name)
 
 
-def share_metrics(replica: Module, root: Module, lock: threading.Lock) -> None:
-    """Replace every torchmetrics ``Metric`` inside ``replica`` by a stand-in for the matching one in ``root``."""
-    originals = {name: module for name, module in root.named_modules() if isinstance(module, Metric)}
-    if not originals:
-        return
-    replicas = dict(replica.named_modules())
-    for name, metric in originals.items():
+def find_metrics(root: Module) -> dict[str, Metric]:
+    """The torchmetrics ``Metric`` modules of ``root`` by qualified name (found once, at strategy setup)."""
+    return {name: module for name, module in root.named_modules() if isinstance(module, Metric)}
+
+
+def share_metrics(replica: Module, metrics: dict[str, Metric], lock: threading.Lock) -> None:
+    """Replace the ``metrics`` (from :func:`find_metrics` on the original) inside ``replica`` by stand-ins for them."""
+    for name, metric in metrics.items():
         parent_name, _, child = name.rpartition(".")
-        parent = replicas[parent_name] if parent_name else replica
+        parent = replica.get_submodule(parent_name)
         if child in parent._modules:
             parent._modules[child] = _SharedMetric(metric, lock)
