@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_balanced
 from lightning_balanced import BalancedDataParallelStrategy
-from tests.helpers import RunIf
+from tests.helpers import RunIf, quiet_trainer
 
 # float64 everywhere the step is compared with a single-device step: the only differences are the summation order of
 # the per-chunk losses and of the gradient contributions, ~1e-16 relative, so 1e-10 has a wide margin yet would catch
@@ -28,15 +28,7 @@ EXACT = {"rtol": 0, "atol": 1e-10}
 
 
 def _trainer(strategy: Any = "balanced_dp", devices: int = 3, **kwargs: Any) -> pl.Trainer:
-    defaults: dict[str, Any] = {
-        "accelerator": "cpu",
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
-    defaults.update(kwargs)
-    return pl.Trainer(strategy=strategy, devices=devices, **defaults)
+    return quiet_trainer(strategy, devices, **kwargs)
 
 
 class Regressor(pl.LightningModule):

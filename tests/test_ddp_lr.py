@@ -22,6 +22,7 @@ import lightning_balanced
 from lightning_balanced import LRScaledDDPStrategy
 from lightning_balanced.lr_scaling import warmup_multiplier
 from tests.distributed import run_distributed
+from tests.helpers import quiet_trainer
 
 # float64 models: the only difference between 2 ranks and one process on the concatenated batch is the summation
 # order of the gradient all_reduce and of the BN statistics, ~1e-16 relative; 1e-10 leaves a wide margin yet catches
@@ -87,16 +88,7 @@ class Net(pl.LightningModule):
 
 def _trainer(world_size: int, **kwargs: Any) -> pl.Trainer:
     strategy = kwargs.pop("strategy", None) or LRScaledDDPStrategy()
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **kwargs,
-    )
+    return quiet_trainer(strategy, world_size, **kwargs)
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -287,16 +279,7 @@ class LoggedLR(Net):
 
 
 def test_ddp_spawn_launcher_scales_the_lr() -> None:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn_lr_sqrt",
-        max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = quiet_trainer("ddp_spawn_lr_sqrt", 2, max_steps=1)
     trainer.fit(LoggedLR(), DataLoader(_data(8), batch_size=4))
     assert trainer.callback_metrics["lr"].item() == pytest.approx(BASE_LR * math.sqrt(2), rel=1e-6)
 

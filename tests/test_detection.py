@@ -17,6 +17,7 @@ from lightning_balanced.detection import coco_map, postprocess_detections
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
 from lightning_balanced.ops import nms_reference
 from tests.distributed import run_distributed
+from tests.helpers import quiet_trainer
 
 POST = {"iou_threshold": 0.5, "score_threshold": 0.3, "max_detections": 6}
 NUM_IMAGES = 7
@@ -363,15 +364,7 @@ class DetectionEvalModule(DistributedEvalMixin, pl.LightningModule):
 
 def _ddp_detection_rank(rank: int, world_size: int) -> dict[str, Any]:
     model = DetectionEvalModule()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy="ddp",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = quiet_trainer("ddp", world_size)
     loader = DataLoader(IndexedDataset(SyntheticDetection()), batch_size=2, collate_fn=_collate)
     trainer.validate(model, loader, verbose=False)
     return {**model.result, "local": model.local}

@@ -14,6 +14,7 @@ from torchmetrics.functional.classification import multiclass_accuracy, multicla
 from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
 from tests.distributed import run_distributed
+from tests.helpers import quiet_trainer
 
 NUM_CLASSES = 4
 
@@ -66,14 +67,7 @@ def _single_process_reference(n: int) -> dict[str, torch.Tensor]:
 
 def _validate(strategy: Any, devices: int, n: int, shuffle: bool, use_indices: bool) -> dict[str, Any]:
     model = Classifier(use_indices)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy, devices)
     loader = DataLoader(IndexedDataset(_dataset(n)), batch_size=2, shuffle=shuffle)
     trainer.validate(model, loader, verbose=False)
     out = model.gathered
@@ -140,14 +134,7 @@ def _naive_vs_exact_rank(rank: int, world_size: int) -> tuple[float, float, int]
     model = Classifier()
     naive, counted = MulticlassAccuracy(NUM_CLASSES, average="micro"), SumMetric()
     loader = DataLoader(IndexedDataset(_dataset(5)), batch_size=2)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy="ddp",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer("ddp", world_size)
     trainer.validate(model, loader, verbose=False)
     from torch.utils.data import DistributedSampler
 
