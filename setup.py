@@ -196,7 +196,8 @@ def _extensions() -> tuple[list, dict]:
     if use_cuda:
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]  # in case cpp_extension was imported before we chose
         sources.append(str(csrc / "cuda" / "nms_kernel.cu"))
-        extra_compile_args["nvcc"] = ["-O3", "--fmad=false", "-DLIGHTNING_BALANCED_WITH_CUDA"]
+        # --threads 0: nvcc compiles the architectures in parallel, one per core
+        extra_compile_args["nvcc"] = ["-O3", "--fmad=false", "--threads", "0", "-DLIGHTNING_BALANCED_WITH_CUDA"]
         cxx_flags.append("-DLIGHTNING_BALANCED_WITH_CUDA")
         extension = cpp_extension.CUDAExtension
     ext = extension("lightning_balanced._C", sources, extra_compile_args=extra_compile_args, py_limited_api=True)
