@@ -44,30 +44,39 @@ class Moments:
         return self.m2 / (count - 1 if unbiased else count)
 
 
-def batch_moments(input: Tensor, dim: Sequence[int]) -> Moments:
+def batch_moments(input: Tensor, dim: Sequence[int], *, dtype: torch.dtype | None = None) -> Moments:
     """The moments of ``input`` over the dimensions ``dim`` (one channel per remaining element).
 
-    The mean and the variance come from one :func:`torch.var_mean` (a stable one-pass kernel), and
-    ``M2 = var * count``. An empty ``input`` gives count 0, mean 0 and M2 0 that are still part of ``input``'s autograd
-    graph, so a part with no samples takes part in a combination (and its backward) and contributes nothing.
+    Shifted-data two-pass algorithm: with ``c`` a per-channel estimate of the mean (``input``'s own mean, detached) and
+    ``d = input - c``, ``mean = c + sum(d) / n`` and ``M2 = sum(d * d) - sum(d) ** 2 / n``, the sums accumulated in
+    ``dtype``. ``d`` is small next to ``input`` whatever ``|mean| / std``, so nothing cancels; for any constant ``c``
+    both formulas are exact functions of ``input``, so autograd through them gives the true gradients. An empty
+    ``input`` gives count 0, mean 0 and M2 0 that are still part of ``input``'s autograd graph, so a part with no
+    samples takes part in a combination (and its backward) and contributes nothing.
 
     Args:
-        input (Tensor): floating point, any shape; ``(N, C, *)`` for BatchNorm with ``dim = [0, 2, 3, ...]``. The
-            moments have the dtype of ``input``: pass float16/bfloat16 data as float32 to keep its precision.
+        input (Tensor): floating point, any shape; ``(N, C, *)`` for BatchNorm with ``dim = [0, 2, 3, ...]``. Pass
+            float16/bfloat16 data as float32 (the differences ``d`` are formed in ``input``'s dtype).
         dim (Sequence[int]): the dimensions reduced over (for BatchNorm: all but the channel dimension).
+        dtype (torch.dtype, optional): the dtype of the sums and of the returned mean and M2; default ``input``'s.
+            float64 for float32 input keeps the variance accurate to float32 rounding of the data, as torch's CPU
+            BatchNorm kernel (which accumulates float32 in float64) does.
 
     Returns:
         Moments: ``count`` a 0-dim float64 tensor (float32 on MPS), ``mean`` and ``m2`` of the shape of ``input``
-        without ``dim``, dtype of ``input``.
+        without ``dim``, of ``dtype``.
 
     Raises:
-        TypeError: ``input`` is not floating point.
+        TypeError: ``input`` or ``dtype`` is not floating point.
 
-    Source: the per-part summary of Chan, Golub & LeVeque, "Algorithms for Computing the Sample Variance: Analysis and
-    Recommendations", The American Statistician 37(3), 1983.
+    Source: the shifted-data and corrected two-pass algorithms in Chan, Golub & LeVeque, "Algorithms for Computing the
+    Sample Variance: Analysis and Recommendations", The American Statistician 37(3), 1983.
     """
     if not input.is_floating_point():
         raise TypeError(f"`input` must be a floating point tensor, got {input.dtype}")
+    acc_dtype = input.dtype if dtype is None else dtype
+    if not acc_dtype.is_floating_point:
+        raise TypeError(f"`dtype` must be a floating point dtype, got {acc_dtype}")
     dims = list(dim)
     count = 1
     for d in dims:
@@ -75,10 +84,15 @@ def batch_moments(input: Tensor, dim: Sequence[int]) -> Moments:
     count_dtype = torch.float32 if input.device.type == "mps" else torch.float64
     count_t = torch.tensor(float(count), dtype=count_dtype, device=input.device)
     if count == 0:
-        zeros = input.sum(dim=dims)  # zeros that stay in input's graph
+        zeros = input.sum(dim=dims, dtype=acc_dtype)  # zeros that stay in input's graph
         return Moments(count_t, zeros, zeros)
-    var, mean = torch.var_mean(input, dim=dims, correction=0)
-    return Moments(count_t, mean, var * count)
+    shift = input.detach().mean(dim=dims, keepdim=True)
+    centered = input - shift
+    sum_d = centered.sum(dim=dims, dtype=acc_dtype)
+    sum_d2 = centered.square().sum(dim=dims, dtype=acc_dtype)
+    mean = shift.squeeze(dims).to(acc_dtype) + sum_d / count
+    m2 = (sum_d2 - sum_d * sum_d / count).clamp_min(0.0)
+    return Moments(count_t, mean, m2)
 
 
 def combine_moments(count: Tensor, mean: Tensor, m2: Tensor) -> Moments:
