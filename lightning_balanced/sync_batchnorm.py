@@ -73,9 +73,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         num_channels = input.shape[1]
         acc_dtype = _accumulation_dtype(input.dtype)
         x = input.to(acc_dtype)
-        # Local moments with sums in float64, gathered as one packed [count, mean, M2] per rank (shape (2C + 1,),
-        # float64, so counts stay exact); a rank with zero samples contributes count 0 (every rank must call the
-        # collective).
+        # Local moments (shifted sums, mean and M2 formed in float64), gathered as one packed [count, mean, M2] per
+        # rank (shape (2C + 1,), float64, so counts stay exact); a rank with zero samples contributes count 0 (every
+        # rank must call the collective).
         red_dtype = _reduction_dtype(input.device)
         local = batch_moments(x, _reduce_dims(input), dtype=red_dtype)
         packed = torch.cat([local.count.to(red_dtype).view(1), local.mean, local.m2])
@@ -188,8 +188,8 @@ class SyncBatchNorm(_BatchNorm):
     (gloo's default is 30 minutes), after which the waiting ranks raise.
 
     Precision: the variance never goes through ``E[x^2] - E[x]^2`` (which cancels catastrophically in float32 once
-    ``|mean| / std`` reaches about ``1e3``). Each rank's mean and M2 come from a shifted two-pass computation with
-    float64 sums, and the gathered parts are combined in float64 with no cancellation, so float32 input
+    ``|mean| / std`` reaches about ``1e3``). Each rank's mean and M2 come from sums of the data shifted by a rough mean
+    (formed in float64), and the gathered parts are combined in float64 with no cancellation, so float32 input
     at ``|mean| / std`` up to ``1e4`` is normalized about as accurately as torch's own float32 BatchNorm (within a
     factor of a few of its error against a float64 reference). torch's CUDA SyncBatchNorm likewise gathers per-rank
     (mean, invstd, count).

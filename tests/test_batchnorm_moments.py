@@ -9,9 +9,9 @@ Tolerances and why:
 * float32 parts at ``|mean| / std`` up to ``1e4``: the variance within ``2e-3`` relative of the float64 moments of the
   same float32 values with float32 moments: each part's mean is rounded to float32 (half an ulp, ~6e-8 of
   ``|mean|``, i.e. up to ~6e-4 of std at 1e4), and the spread term ``n_k * (mean_k - mean) ** 2`` carries about
-  twice that relative error. With float64 sums and moments (``dtype=torch.float64``, what SyncBatchNorm uses) within
-  ``1e-6``: only the float32 differences ``d * d`` round. ``E[x^2] - E[x]^2`` in float32 is off by 100% and more
-  there (checked below).
+  twice that relative error. With float64 moments (``dtype=torch.float64``, what SyncBatchNorm uses) within
+  ``1e-6``: only the float32 sums of the shifted values ``d`` and ``d * d`` round. ``E[x^2] - E[x]^2`` in float32 is
+  off by 100% and more there (checked below).
 """
 
 from __future__ import annotations
