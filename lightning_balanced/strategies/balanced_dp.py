@@ -18,21 +18,21 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
-from torch.nn.modules.batchnorm import _BatchNorm
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_balanced.parallel import gather, infer_batch_size, parallel_apply, plan_chunk_sizes, replicate, scatter
-from lightning_balanced.parallel.chunk_sizes import (
-    check_one_split_option,
-    proportional_split,
-    validate_chunk_sizes,
-    validate_gpu0_bsz,
-    validate_weights,
+from lightning_balanced.parallel import (
+    check_replicable,
+    gather,
+    infer_batch_size,
+    parallel_apply,
+    replicate,
+    scatter,
+    split_policy,
+    virtual_devices,
 )
 from lightning_balanced.strategies.replica_hooks import (
     Rendezvous,
-    RendezvousAborted,
     ReplicaLogRecorder,
     find_metrics,
     install_manual_optimization,
@@ -42,6 +42,8 @@ from lightning_balanced.strategies.replica_hooks import (
 
 _REPORT_MEMORY_AFTER_STEPS = 3
 _RENDEZVOUS_TIMEOUT_S = 120.0
+# The start of the message of torch.nn.functional._verify_batch_size: a training BatchNorm saw one value per channel.
+_BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when training"
 
 
 @dataclass(frozen=True)
@@ -84,10 +86,6 @@ class _StepDispatcher(Module):
             raise
 
 
-def _has_training_batchnorm(module: Module) -> bool:
-    return any(isinstance(m, _BatchNorm) and m.training for m in module.modules())
-
-
 if TYPE_CHECKING:
     _StrategyBase = ParallelStrategy
 else:
@@ -121,13 +119,11 @@ class BalancedDataParallel(_StrategyBase):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        check_one_split_option(gpu0_bsz, chunk_sizes, weights)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
-        self.gpu0_bsz = None if gpu0_bsz is None else validate_gpu0_bsz(gpu0_bsz)
-        self.chunk_sizes = None if chunk_sizes is None else validate_chunk_sizes(chunk_sizes, len(chunk_sizes))
-        self.weights = None if weights is None else validate_weights(weights, len(weights))
+        self.split_policy = split_policy(gpu0_bsz, chunk_sizes, weights)
         self.loss_reduction = loss_reduction
+        self._devices: list[torch.device] = []
         self._dispatcher: _StepDispatcher | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._metric_lock = threading.Lock()
@@ -212,11 +208,11 @@ class BalancedDataParallel(_StrategyBase):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.parallel_devices, "parallel_devices are set by the Trainer"
+        assert self.model is not None, "the LightningModule is connected before setup"
         num_devices = len(self.parallel_devices)
-        if self.chunk_sizes is not None:
-            validate_chunk_sizes(self.chunk_sizes, num_devices)
-        if self.weights is not None:
-            validate_weights(self.weights, num_devices)
+        self.split_policy.check_devices(num_devices)
+        check_replicable(self.model)
+        self._devices = virtual_devices(self.parallel_devices)
         if self._layer_sync is not None:
             raise ValueError(
                 "`Trainer(sync_batchnorm=True)` is not supported with strategy='balanced_dp': its replicas run in one"
@@ -262,33 +258,38 @@ class BalancedDataParallel(_StrategyBase):
             return self._data_parallel_step("predict_step", args, kwargs)
 
     def plan(self, batch_size: int) -> list[int]:
-        """The chunk sizes, one per device (``0`` = left out), for a batch of ``batch_size`` samples."""
+        """The chunk sizes, one per device (``0`` = left out), for a batch of ``batch_size`` samples.
+
+        The same rule in every loop: :func:`~lightning_balanced.parallel.plan_chunk_sizes` with this strategy's option.
+        """
         assert self.parallel_devices is not None
-        if self.chunk_sizes is not None:
-            if sum(self.chunk_sizes) == batch_size:
-                return list(self.chunk_sizes)
-            return proportional_split(batch_size, self.chunk_sizes)
-        if self.gpu0_bsz is not None:
-            return plan_chunk_sizes(batch_size, len(self.parallel_devices), gpu0_bsz=min(self.gpu0_bsz, batch_size))
-        return plan_chunk_sizes(batch_size, len(self.parallel_devices), weights=self.weights)
+        return self.split_policy.plan(batch_size, len(self.parallel_devices))
 
     def _data_parallel_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        module, dispatcher = self.lightning_module, self._dispatcher
-        assert module is not None and dispatcher is not None and self.parallel_devices is not None
+        module, dispatcher, devices = self.lightning_module, self._dispatcher, self._devices
+        assert module is not None and dispatcher is not None and devices
         batch_size = infer_batch_size((args, kwargs))
         planned = self.plan(batch_size)
         if step_name == "training_step":
             self._report_plan(batch_size, planned)
-        devices = [d for d, size in zip(self.parallel_devices, planned, strict=True) if size > 0]
-        chunk_sizes = [size for size in planned if size > 0]
-        weights = [s / batch_size for s in chunk_sizes] if self.loss_reduction == "mean" else [1.0] * len(chunk_sizes)
+        # Only devices with samples run; a batch of 0 samples runs on the root device alone, as on one device.
+        run = [i for i, size in enumerate(planned) if size > 0] or [0]
+        chunk_sizes = [planned[i] for i in run]
+        run_devices = [devices[i] for i in run]
+        if self.loss_reduction == "mean" and batch_size > 0:
+            weights = [size / batch_size for size in chunk_sizes]
+        else:
+            weights = [1.0] * len(chunk_sizes)
 
-        scattered = scatter((args, kwargs), chunk_sizes, devices)
-        replicas = replicate(dispatcher, devices, detach=not torch.is_grad_enabled())
+        scattered = scatter((args, kwargs), chunk_sizes, run_devices)
+        # torch's replicate broadcasts from the module's device, devices[0]: replicate there even when device 0 has no
+        # samples, and leave that replica unused.
+        replicas = replicate(dispatcher, [devices[0], *run_devices[run[0] == 0 :]], detach=not torch.is_grad_enabled())
+        replicas = replicas[1:] if run[0] != 0 else replicas
         recorders = [ReplicaLogRecorder() for _ in replicas]
         rendezvous = Rendezvous(len(replicas), _RENDEZVOUS_TIMEOUT_S)
         manual = step_name == "training_step" and not module.automatic_optimization
-        for i, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
+        for i, (replica, device) in enumerate(zip(replicas, run_devices, strict=True)):
             replica_module = replica.module
             replica_module._device = device
             replica_module.log = recorders[i].log  # type: ignore[method-assign]
@@ -298,43 +299,61 @@ class BalancedDataParallel(_StrategyBase):
 
         inference_mode = torch.is_inference_mode_enabled()
         inputs = [(_StepCall(step_name, inference_mode, rendezvous, i), *a) for i, (a, _) in enumerate(scattered)]
+        failure: BaseException | None = None
         try:
-            outputs = parallel_apply(replicas, inputs, [k for _, k in scattered], devices, executor=self._executor)
-        except RendezvousAborted as err:
-            raise (err.__cause__ or err) from None  # the failing replica's own error, not a waiting one's
-        except ValueError as err:
-            if 1 in chunk_sizes and step_name == "training_step" and _has_training_batchnorm(module):
-                raise ValueError(
-                    f"balanced_dp split a batch of {batch_size} as {planned}: a chunk of 1 sample cannot be"
-                    " batch-normalized in training (BatchNorm needs more than one value per channel). Change the split"
-                    f" ({self._split_setting()}), use a batch size of at least 2 per device, or `drop_last=True` in the"
-                    " DataLoader for a short last batch."
-                ) from err
-            raise
+            outputs = parallel_apply(replicas, inputs, [k for _, k in scattered], run_devices, executor=self._executor)
+        except Exception as wrapped:
+            failure = self._replica_error(wrapped, rendezvous, step_name, batch_size, planned, run_devices)
+        if failure is not None:
+            raise failure  # outside the handler: the replica's own exception, not chained to the wrapped copy
         replay_logs(module, recorders, chunk_sizes)
         if step_name == "training_step":
             self._report_memory()
-        return gather(outputs, self.root_device, weights)
+        return gather(outputs, self.root_device, chunk_sizes, loss_reduction=self.loss_reduction)
 
-    def _split_setting(self) -> str:
-        if self.gpu0_bsz is not None:
-            return f"gpu0_bsz={self.gpu0_bsz}"
-        if self.chunk_sizes is not None:
-            return f"chunk_sizes={self.chunk_sizes}"
-        if self.weights is not None:
-            return f"weights={self.weights}"
-        return "set gpu0_bsz, chunk_sizes or weights"
+    def _replica_error(
+        self,
+        wrapped: Exception,
+        rendezvous: Rendezvous,
+        step_name: str,
+        batch_size: int,
+        planned: list[int],
+        run_devices: list[torch.device],
+    ) -> BaseException:
+        """The exception to raise for a failed step: the failing replica's own, whatever path re-raised a copy.
+
+        torch's CUDA ``parallel_apply`` (and the CPU emulation, which copies it) re-raises a new exception built from
+        the message, so the original is taken from the rendezvous, where each replica's dispatcher left it.
+        """
+        found = rendezvous.failure()
+        if found is None:
+            return wrapped
+        index, error = found
+        if (
+            step_name == "training_step"
+            and isinstance(error, ValueError)
+            and str(error).startswith(_BATCHNORM_ONE_VALUE_ERROR)
+        ):
+            relabelled = ValueError(
+                f"balanced_dp split a batch of {batch_size} as {planned}: a chunk of 1 sample cannot be"
+                " batch-normalized in training (BatchNorm needs more than one value per channel). Use"
+                f" `sync_batchnorm=True`, change the split ({self.split_policy}), use a batch size of at least 2 per"
+                " device, or `drop_last=True` in the DataLoader for a short last batch."
+            )
+            relabelled.__cause__ = error
+            return relabelled
+        if hasattr(error, "add_note"):
+            error.add_note(f"(raised in balanced_dp replica {index} on {run_devices[index]})")
+        return error
 
     def _report_plan(self, batch_size: int, planned: list[int]) -> None:
         if self._plan_reported:
             return
         self._plan_reported = True
-        if self.gpu0_bsz is not None and self.gpu0_bsz > batch_size:
-            raise ValueError(f"`gpu0_bsz` ({self.gpu0_bsz}) must not exceed the batch size ({batch_size})")
         assert self.parallel_devices is not None
         lines = [f"balanced_dp: a batch of {batch_size} is split over {len(planned)} devices as {planned}"]
         for index, (device, size) in enumerate(zip(self.parallel_devices, planned, strict=True)):
-            share = 100.0 * size / batch_size
+            share = 100.0 * size / batch_size if batch_size else 0.0
             lines.append(f"  device {index} ({device}): {size} samples ({share:.1f}%)" + ("" if size else ", left out"))
         rank_zero_info("\n".join(lines))
 
