@@ -381,48 +381,76 @@ class BalancedDataParallel(_StrategyBase):
 class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
     """Single-process data parallel over several devices, each taking a chunk of the batch you choose.
 
-    Every step, the batch is split along dim 0 by a chunk plan (:func:`~lightning_balanced.parallel.plan_chunk_sizes`),
-    the LightningModule is replicated on each device that got samples, the step (``training_step``,
-    ``validation_step``, ``test_step`` or ``predict_step``) runs on all replicas at once, and the outputs are gathered
-    on the root device (``devices[0]``) in batch order. On CUDA these are torch's ``scatter``/``replicate``/
-    ``parallel_apply``/``gather``; on CPU the same plan runs over virtual devices (one thread per replica), so
-    ``Trainer(accelerator="cpu", devices=N, strategy="balanced_dp")`` behaves like N GPUs would.
+    Every step, the batch is split along dim 0 by a chunk plan (:func:`~lightning_balanced.parallel.plan_chunk_sizes`,
+    the one rule for all four loops), the LightningModule is replicated from the root device (``devices[0]``) to the
+    devices that got samples, the step (``training_step``, ``validation_step``, ``test_step`` or ``predict_step``)
+    runs on those replicas at once, and the outputs are gathered on the root device in batch order. On CUDA these are
+    torch's ``scatter``/``replicate``/``parallel_apply``/``gather``; on CPU the same code runs over virtual devices
+    ``cpu:0``, ``cpu:1``, ... (one thread per replica) that keep the rules of GPUs: replica ``i`` computes on
+    ``cpu:i`` (``self.device`` in its step), and combining tensors of two replicas without moving them raises as on
+    GPUs. So ``Trainer(accelerator="cpu", devices=N, strategy="balanced_dp")`` behaves like N GPUs would. A batch of 0
+    samples runs on the root device alone, as on one device.
 
-    The loss is exact: a 0-dim step output (the loss) from replica ``i`` is weighted by ``chunk_sizes[i] /
-    batch_size``, so with the usual per-chunk mean loss one step equals the single-device step on the whole batch.
-    ``self.log`` inside steps is recorded per replica and logged once per step from the main thread, as the
-    chunk-weighted mean (or the sum/max/min for those ``reduce_fx``). torchmetrics metrics are not replicated: all
-    replicas update the original metric. Manual optimization works: ``manual_backward`` runs once on the weighted sum of
-    the replicas' losses, ``optimizer.step()`` once per step.
+    Step outputs are combined so that they equal what one device returns for the whole batch:
+
+    ==================================================  =============================================================
+    what each replica's step returns                    what the step returns under balanced_dp
+    ==================================================  =============================================================
+    tensor with a batch dimension                       concatenated along dim 0, in batch order, on the root device
+    ``list`` with one item per sample of its chunk      concatenated in batch order (ids, per-image detections)
+    0-dim floating tensor (the loss, a mean)            mean weighted by chunk size: the batch mean (the sum with
+                                                        ``loss_reduction="sum"``)
+    0-dim integer tensor (a count)                      summed, same dtype
+    0-dim bool tensor                                   set when set on any replica (the sum in ``bool``)
+    ``dict``, ``tuple``, namedtuple, dataclass, a       combined item by item with these rules
+    ``list`` of other length or of batched tensors
+    anything else (``str``, numbers, ``None``)          kept once when equal on every replica, else the list of the
+                                                        replicas' values
+    ==================================================  =============================================================
+
+    So with the usual per-chunk mean loss, one step equals the single-device step on the whole batch. ``self.log``
+    inside steps is recorded per replica and logged once per step from the main thread, as the chunk-weighted mean
+    (or the sum/max/min for those ``reduce_fx``). torchmetrics metrics are not replicated: all replicas update the
+    original metric. Manual optimization works: ``manual_backward`` runs once on the weighted sum of the replicas'
+    losses, ``optimizer.step()`` once per step. A replica that fails surfaces its own exception (with a note naming the
+    replica and device), on CUDA too, where torch's ``parallel_apply`` would re-raise a copy.
 
     What data parallelism changes, as with ``torch.nn.DataParallel``:
 
-    * BatchNorm normalizes each chunk with that chunk's statistics, and only replica 0's running-statistics update
-      persists. A chunk of one sample cannot be batch-normalized in training: such a split raises a ``ValueError``
-      naming the setting to change. For cross-device BN statistics use DDP with SyncBatchNorm.
+    * BatchNorm, by default, normalizes each chunk with that chunk's statistics, and only replica 0's
+      running-statistics update persists (none when device 0 has no samples). A chunk of one sample cannot be
+      batch-normalized in training: such a split raises a ``ValueError`` naming the setting to change. With
+      ``sync_batchnorm=True`` (or ``Trainer(sync_batchnorm=True)``) every BatchNorm layer normalizes with the
+      statistics of the whole batch instead, so training equals the single-device run, chunks of one sample included.
     * Inside a step, replicas' ``self.parameters()`` is empty (parameters are broadcast views); use the modules
       themselves.
+    * Compiled modules (``torch.compile(module)`` or ``module.compile()`` anywhere in the LightningModule) are refused
+      at setup with a ``TypeError``: compiled code stays bound to the original module, so replicas would run the
+      original. Train without compiling, or compile under a single device or DDP.
     * ``world_size`` is 1 and there is no ``DistributedSampler``: the dataloader's ``batch_size`` is the whole batch
       that is split.
 
     Args:
-        gpu0_bsz: the most samples device 0 takes per batch; the rest is spread evenly over the other devices (the
+        gpu0_bsz: the most samples device 0 takes per batch, a budget: device 0 takes
+            ``min(gpu0_bsz, batch_size // num_devices)`` and the rest is spread evenly over the other devices (the
             classic ``BalancedDataParallel`` setting; device 0 also holds the gathered outputs). ``0`` leaves device 0
-            to gathering only. A shorter last batch keeps the cap. Must not exceed the batch size.
-        chunk_sizes: explicit samples per device, one entry per device, summing to the dataloader's batch size; a
-            batch of another size (the last one) is split in the same proportions.
+            to gathering only. A budget above the batch size (a short last batch, a larger validation batch) is not an
+            error. On one device it must hold the batch.
+        chunk_sizes: explicit samples per device, one entry per device, for a batch of ``sum(chunk_sizes)``; a batch
+            of another size (the last one, or another loop's) is split in the same proportions.
         weights: relative capacity per device (e.g. memory of mixed GPUs); each batch is split proportionally with
             largest-remainder rounding.
-        loss_reduction: how the step's scalar outputs combine across replicas: ``"mean"`` (the step returns the mean
-            over its chunk, the default) weights each by its chunk's share of the batch; ``"sum"`` (the step returns a
-            sum over its chunk) adds them.
+        loss_reduction: how the step's 0-dim floating outputs combine across replicas: ``"mean"`` (the step returns
+            the mean over its chunk, the default) weights each by its chunk's share of the batch; ``"sum"`` (the step
+            returns a sum over its chunk) adds them.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``;
             normally filled in by the ``Trainer`` from ``accelerator=`` and ``devices=``.
 
     Raises:
-        ValueError: more than one of ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative or non-integer size;
-            weights that are not positive and finite; an unknown ``loss_reduction``. At setup: ``chunk_sizes`` or
-            ``weights`` whose length differs from the number of devices, or ``Trainer(sync_batchnorm=True)``.
+        ValueError: more than one of ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative size; weights that are not
+            positive and finite; an unknown ``loss_reduction``. At setup: ``chunk_sizes`` or ``weights`` whose length
+            differs from the number of devices.
+        TypeError: a non-integer size or non-real weight; at setup, a compiled module.
 
     Source: Lightning 1.9's ``DataParallelStrategy`` (removed in 2.0) and the ``BalancedDataParallel`` of
     transformer-xl, with the loss weighted by chunk size instead of an unweighted mean.
