@@ -240,6 +240,35 @@ _PAIR_CASE = Case((3, 4, 5), (2, 6), seed=1)
 _SOLO_CASE = Case((3, 4, 5), (3,), seed=2)
 _SHORT_TIMEOUT_S = 2.0
 
+# ---------------------------------------------------------------- float32 accuracy at large |mean| / std (issue 9)
+
+# 2 ranks with 3 and 5 samples of ``ratio + randn``: float32 in, errors against float64 BatchNorm of the same values.
+_ACCURACY_RATIOS = (1e2, 1e3, 1e4)
+_ACCURACY_SIZES = (3, 5)
+_ACCURACY_KEYS = ("y", "x_grad", "running_var")
+
+
+def _accuracy_data(ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    n = sum(_ACCURACY_SIZES)
+    x = torch.randn(n, 4, 6, 6, generator=g, dtype=torch.float64) + ratio
+    grad = torch.randn(n, 4, 6, 6, generator=g, dtype=torch.float64)
+    return x.float(), grad.float()
+
+
+def _forward_backward(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    x = x.clone().requires_grad_(True)
+    y = module(x)
+    (y * grad).sum().backward()
+    assert x.grad is not None
+    return {"y": y.detach(), "x_grad": x.grad, "running_var": module.running_var.detach().clone()}
+
+
+def _float32_sync_bn_on_rank(ratio: float, rank: int, process_group: Any) -> dict[str, torch.Tensor]:
+    x, grad = _accuracy_data(ratio)
+    part = _rank_slice(_ACCURACY_SIZES, rank)
+    return _forward_backward(SyncBatchNorm(4, process_group=process_group), x[part], grad[part])
+
 
 def _distributed_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Everything multi-rank, in one spawn: the 2-rank cases run on the group of ranks 0 and 1."""
@@ -260,6 +289,7 @@ def _distributed_worker(rank: int, world_size: int) -> dict[str, Any]:
         flag = torch.ones(1)
         dist.all_reduce(flag, group=pair01)
         out["flag"] = float(flag)
+        out["accuracy"] = {ratio: _float32_sync_bn_on_rank(ratio, rank, pair01) for ratio in _ACCURACY_RATIOS}
     else:
         out["solo"] = _sync_bn_on_rank(_SOLO_CASE, 0, process_group=solo2)
     if rank in (0, 2):
@@ -301,6 +331,26 @@ def test_one_value_per_channel_over_group_raises_on_every_rank(per_rank: list[di
 @pytest.mark.parametrize("case", _THREE_RANK_CASES, ids=lambda c: c.id)
 def test_three_ranks_match_full_batch_batchnorm(case: Case, per_rank: list[dict]) -> None:
     _assert_matches_reference(case, [r[case.id] for r in per_rank])
+
+
+@pytest.mark.parametrize("ratio", _ACCURACY_RATIOS)
+def test_float32_error_at_large_mean_over_std_stays_within_10x_of_torch_batchnorm(
+    ratio: float, per_rank: list[dict]
+) -> None:
+    # Issue 9: with E[x^2] - E[x]^2 from float32 sums the output error was 998 at ratio 1e4 (torch's: 1.2e-3).
+    x, grad = _accuracy_data(ratio)
+    reference = _forward_backward(nn.BatchNorm2d(4, dtype=torch.float64), x.double(), grad.double())
+    torch_float32 = _forward_backward(nn.BatchNorm2d(4), x, grad)
+    ours = {
+        key: torch.cat([r["accuracy"][ratio][key] for r in per_rank[:2]])
+        if key != "running_var"
+        else per_rank[0]["accuracy"][ratio][key]
+        for key in _ACCURACY_KEYS
+    }
+    for key in _ACCURACY_KEYS:
+        ours_error = (ours[key].double() - reference[key]).abs().max().item()
+        torch_error = (torch_float32[key].double() - reference[key]).abs().max().item()
+        assert ours_error <= 10 * torch_error, f"{key}: ours {ours_error:.3g}, torch float32 {torch_error:.3g}"
 
 
 def test_process_group_argument_scopes_the_synchronization(per_rank: list[dict]) -> None:
