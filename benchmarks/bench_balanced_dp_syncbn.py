@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from digits import DigitsClassifier, DigitsDataModule  # noqa: E402
+from digits import DigitsClassifier, DigitsDataModule
 
-from lightning_balanced import BalancedDataParallelStrategy  # noqa: E402
+from lightning_balanced import BalancedDataParallelStrategy
 
 WARMUP_STEPS = 5
 CONFIGS = {"per_chunk": False, "synced": True, "per_chunk_again": False}

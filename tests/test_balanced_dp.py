@@ -357,12 +357,10 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs: dict[str, Any], mat
         BalancedDataParallelStrategy(**kwargs)
 
 
-def test_setup_rejects_a_plan_for_another_device_count_and_sync_batchnorm() -> None:
+def test_setup_rejects_a_plan_for_another_device_count() -> None:
     loader = DataLoader(_data(6), batch_size=6)
     with pytest.raises(ValueError, match=r"chunk_sizes.*one entry per device \(3\)"):
         _trainer(BalancedDataParallelStrategy(chunk_sizes=[3, 3]), max_steps=1).fit(Regressor(), loader)
-    with pytest.raises(ValueError, match="sync_batchnorm"):
-        _trainer(devices=2, sync_batchnorm=True, max_steps=1).fit(Regressor(), loader)
 
 
 class _ChunkRecorder(Regressor):

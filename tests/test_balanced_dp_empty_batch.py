@@ -52,10 +52,17 @@ def _same_number(a: float, b: float) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("options", "devices"), [({}, 2), ({"gpu0_bsz": 1}, 3), ({"chunk_sizes": [2, 2]}, 2), ({"weights": [1, 3]}, 2)]
+    ("options", "devices"),
+    [
+        ({}, 2),
+        ({"gpu0_bsz": 1}, 3),
+        ({"chunk_sizes": [2, 2]}, 2),
+        ({"weights": [1, 3]}, 2),
+        ({"chunk_sizes": [1, 3], "sync_batchnorm": True}, 2),  # BatchNorm, exact: sees the empty batch as one device
+    ],
 )
 def test_an_empty_batch_runs_as_on_one_device_in_all_four_loops(options: dict[str, Any], devices: int) -> None:
-    model = Regressor()
+    model = Regressor(batchnorm=options.get("sync_batchnorm", False))
     expected = _run_all_loops("auto", 1, copy.deepcopy(model))
     got = _run_all_loops(BalancedDataParallelStrategy(**options), devices, model)
     for name, value in got["params"].items():

@@ -31,6 +31,13 @@ from lightning_balanced.parallel import (
     split_policy,
     virtual_devices,
 )
+from lightning_balanced.parallel.sync_batchnorm import (
+    SyncBatchNormAborted,
+    SyncBatchNormStep,
+    attach_step,
+    convert_replica_batchnorm,
+    revert_replica_batchnorm,
+)
 from lightning_balanced.strategies.replica_hooks import (
     Rendezvous,
     ReplicaLogRecorder,
@@ -52,6 +59,7 @@ class _StepCall:
     inference_mode: bool
     rendezvous: Rendezvous
     replica_index: int
+    batchnorm_step: SyncBatchNormStep | None
 
 
 class _StepDispatcher(Module):
@@ -83,6 +91,8 @@ class _StepDispatcher(Module):
                 return getattr(self.module, call.name)(*args, **kwargs)
         except BaseException as err:
             call.rendezvous.abort(call.replica_index, err)
+            if call.batchnorm_step is not None:
+                call.batchnorm_step.abort(call.replica_index, err)
             raise
 
 
@@ -107,6 +117,7 @@ class BalancedDataParallel(_StrategyBase):
         chunk_sizes: Sequence[int] | None = None,
         weights: Sequence[float] | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
+        sync_batchnorm: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -121,8 +132,12 @@ class BalancedDataParallel(_StrategyBase):
         )
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not isinstance(sync_batchnorm, bool):
+            raise TypeError(f"`sync_batchnorm` must be a bool, got {sync_batchnorm!r}")
         self.split_policy = split_policy(gpu0_bsz, chunk_sizes, weights)
         self.loss_reduction = loss_reduction
+        self.sync_batchnorm = sync_batchnorm
+        self._batchnorm_synced = False
         self._devices: list[torch.device] = []
         self._dispatcher: _StepDispatcher | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -213,11 +228,11 @@ class BalancedDataParallel(_StrategyBase):
         self.split_policy.check_devices(num_devices)
         check_replicable(self.model)
         self._devices = virtual_devices(self.parallel_devices)
-        if self._layer_sync is not None:
-            raise ValueError(
-                "`Trainer(sync_batchnorm=True)` is not supported with strategy='balanced_dp': its replicas run in one"
-                " process and BatchNorm normalizes per chunk. Use DDP (e.g. strategy='ddp') for synchronized BatchNorm."
-            )
+        # `Trainer(sync_batchnorm=True)` reaches us as `_layer_sync`, which Lightning's accelerator connector sets
+        # after __init__ (to torch's SyncBatchNorm plugin, which is for process groups): it asks for the same thing.
+        if self.sync_batchnorm or self._layer_sync is not None:
+            self.model = convert_replica_batchnorm(self.model)
+            self._batchnorm_synced = True
         super().setup(trainer)
         assert self.lightning_module is not None
         self._dispatcher = _StepDispatcher(self.lightning_module, self.precision_plugin)
@@ -231,6 +246,9 @@ class BalancedDataParallel(_StrategyBase):
             self._executor.shutdown(wait=True)
             self._executor = None
         self._dispatcher = None
+        if self._batchnorm_synced and self.model is not None:
+            self.model = revert_replica_batchnorm(self.model)  # the user's own BatchNorm objects, trained state
+            self._batchnorm_synced = False
         on_cuda = self.parallel_devices is not None and self.root_device.type == "cuda"
         super().teardown()
         if on_cuda:
@@ -286,6 +304,10 @@ class BalancedDataParallel(_StrategyBase):
         # samples, and leave that replica unused.
         replicas = replicate(dispatcher, [devices[0], *run_devices[run[0] == 0 :]], detach=not torch.is_grad_enabled())
         replicas = replicas[1:] if run[0] != 0 else replicas
+        batchnorm_step = None
+        if self._batchnorm_synced and batch_size > 0:  # a batch of 0 normalizes as on one device (no statistics)
+            batchnorm_step = SyncBatchNormStep(chunk_sizes, _RENDEZVOUS_TIMEOUT_S)
+            attach_step([replica.module for replica in replicas], batchnorm_step)
         recorders = [ReplicaLogRecorder() for _ in replicas]
         rendezvous = Rendezvous(len(replicas), _RENDEZVOUS_TIMEOUT_S)
         manual = step_name == "training_step" and not module.automatic_optimization
@@ -298,7 +320,10 @@ class BalancedDataParallel(_StrategyBase):
                 install_manual_optimization(replica_module, module, i, rendezvous, weights[i])
 
         inference_mode = torch.is_inference_mode_enabled()
-        inputs = [(_StepCall(step_name, inference_mode, rendezvous, i), *a) for i, (a, _) in enumerate(scattered)]
+        inputs = [
+            (_StepCall(step_name, inference_mode, rendezvous, i, batchnorm_step), *a)
+            for i, (a, _) in enumerate(scattered)
+        ]
         failure: BaseException | None = None
         try:
             outputs = parallel_apply(replicas, inputs, [k for _, k in scattered], run_devices, executor=self._executor)
@@ -325,12 +350,13 @@ class BalancedDataParallel(_StrategyBase):
         torch's CUDA ``parallel_apply`` (and the CPU emulation, which copies it) re-raises a new exception built from
         the message, so the original is taken from the rendezvous, where each replica's dispatcher left it.
         """
-        found = rendezvous.failure()
+        found = rendezvous.failure(released=(SyncBatchNormAborted,))
         if found is None:
             return wrapped
         index, error = found
         if (
-            step_name == "training_step"
+            not self._batchnorm_synced
+            and step_name == "training_step"
             and isinstance(error, ValueError)
             and str(error).startswith(_BATCHNORM_ONE_VALUE_ERROR)
         ):

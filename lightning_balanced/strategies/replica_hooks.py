@@ -120,14 +120,15 @@ class Rendezvous:
             self._failures.setdefault(index, error)
             self._condition.notify_all()
 
-    def failure(self) -> tuple[int, BaseException] | None:
+    def failure(self, released: tuple[type[BaseException], ...] = ()) -> tuple[int, BaseException] | None:
         """The lowest-index replica that failed on its own, and the exception object it raised (``None``: none failed).
 
-        Replicas released by another's failure do not count. The object is the one the replica raised, traceback
+        Replicas released by another's failure (:class:`RendezvousAborted`, or one of ``released`` from other
+        rendezvous of the step) do not count. The object is the one the replica raised, traceback
         included: torch's CUDA ``parallel_apply`` re-raises a copy built from the message, which loses it.
         """
         with self._condition:
-            own = [(i, e) for i, e in self._failures.items() if not isinstance(e, RendezvousAborted)]
+            own = [(i, e) for i, e in self._failures.items() if not isinstance(e, (RendezvousAborted, *released))]
         return min(own, key=lambda failure: failure[0]) if own else None
 
     def _raise_if_aborted(self, index: int, what: str) -> None:
