@@ -357,27 +357,73 @@ def test_bad_arguments_raise_value_error_naming_them(kwargs: dict[str, Any], mat
         BalancedDataParallelStrategy(**kwargs)
 
 
-def test_setup_rejects_a_plan_for_another_device_count_and_sync_batchnorm() -> None:
+def test_setup_rejects_a_plan_for_another_device_count() -> None:
     loader = DataLoader(_data(6), batch_size=6)
     with pytest.raises(ValueError, match=r"chunk_sizes.*one entry per device \(3\)"):
         _trainer(BalancedDataParallelStrategy(chunk_sizes=[3, 3]), max_steps=1).fit(Regressor(), loader)
-    with pytest.raises(ValueError, match="sync_batchnorm"):
-        _trainer(devices=2, sync_batchnorm=True, max_steps=1).fit(Regressor(), loader)
 
 
-def test_gpu0_budget_larger_than_the_batch_is_an_error_at_fit_start() -> None:
-    with pytest.raises(ValueError, match=r"gpu0_bsz.*\(8\).*batch size \(6\)"):
-        _trainer(BalancedDataParallelStrategy(gpu0_bsz=8), max_steps=1).fit(
-            Regressor(), DataLoader(_data(6), batch_size=6)
-        )
+class _ChunkRecorder(Regressor):
+    """Records the chunk size every replica ran on, per loop."""
+
+    lock = threading.Lock()
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.0)
+        self.chunks: dict[str, list[int]] = {"fit": [], "validate": [], "test": [], "predict": []}
+
+    def _record(self, loop: str, batch: Any) -> None:
+        with self.lock:
+            self.chunks[loop].append(len(batch[0]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self._record("fit", batch)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._record("validate", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._record("test", batch)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._record("predict", batch)
+        return self(batch[0])
 
 
-def test_short_last_batch_keeps_explicit_proportions() -> None:
-    strategy = BalancedDataParallelStrategy(chunk_sizes=[2, 4, 6])
+@pytest.mark.parametrize(
+    ("strategy_kwargs", "expected"),
+    [
+        ({"gpu0_bsz": 8}, [2, 2, 2]),  # a budget above the batch is a budget, not an error
+        ({"gpu0_bsz": 0}, [3, 3]),
+        ({"chunk_sizes": [1, 2, 9]}, [1, 1, 4]),  # another batch size: the same proportions
+        ({"weights": [1.0, 1.0, 4.0]}, [1, 1, 4]),
+    ],
+)
+def test_the_split_is_the_same_in_all_four_loops(strategy_kwargs: dict[str, Any], expected: list[int]) -> None:
+    loader = DataLoader(_data(6), batch_size=6)
+    model = _ChunkRecorder()
+    trainer = _trainer(BalancedDataParallelStrategy(**strategy_kwargs), max_steps=1, limit_val_batches=0)
+    trainer.fit(model, loader)
+    trainer.validate(model, loader, verbose=False)
+    trainer.test(model, loader, verbose=False)
+    trainer.predict(model, loader)
+    assert lightning_balanced.plan_chunk_sizes(6, 3, **strategy_kwargs) == [*([0] * (3 - len(expected))), *expected]
+    for loop, chunks in model.chunks.items():
+        assert sorted(chunks) == sorted(expected), loop
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"gpu0_bsz": 3}, {"gpu0_bsz": 0}, {"chunk_sizes": [2, 4, 6]}, {"weights": [0.5, 2.0, 1.0]}]
+)
+def test_the_strategy_plans_with_the_public_planner(options: dict[str, Any]) -> None:
+    strategy = BalancedDataParallelStrategy(**options)
     strategy.parallel_devices = [torch.device("cpu")] * 3
-    assert strategy.plan(12) == [2, 4, 6]
-    assert strategy.plan(6) == [1, 2, 3]
-    assert sum(strategy.plan(5)) == 5
+    for batch_size in range(30):
+        assert strategy.plan(batch_size) == lightning_balanced.plan_chunk_sizes(batch_size, 3, **options)
+    if "chunk_sizes" in options:
+        assert strategy.plan(12) == [2, 4, 6]
+        assert strategy.plan(6) == [1, 2, 3]
 
 
 @RunIf(min_cuda_gpus=2)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_balanced.parallel import plan_chunk_sizes
+from lightning_balanced.parallel import plan_chunk_sizes, split_policy
 
 # The planner is pure and cheap: many examples cost milliseconds.
 PROPERTY = settings(max_examples=300, deadline=None)
@@ -235,6 +235,40 @@ def test_explicit_chunk_sizes_are_returned_as_given(sizes: list[int], as_tuple: 
     assert plan_chunk_sizes(sum(sizes), len(sizes), chunk_sizes=given_sizes) == sizes
 
 
+@PROPERTY
+@given(st.lists(st.integers(0, 100), min_size=1, max_size=16).filter(any), batch_sizes)
+def test_a_batch_of_another_size_is_split_in_the_proportions_of_chunk_sizes(sizes: list[int], batch_size: int) -> None:
+    # The short last batch, or a validation loader with another batch size: the same rule in every loop.
+    planned = plan_chunk_sizes(batch_size, len(sizes), chunk_sizes=sizes)
+    assert planned == _exact_largest_remainder(batch_size, [float(s) for s in sizes])
+    assert all(p == 0 for p, s in zip(planned, sizes, strict=True) if s == 0)
+
+
+@PROPERTY
+@given(batch_sizes, st.integers(2, 16), st.integers(0, 2000))
+def test_gpu0_bsz_is_a_budget_even_above_the_batch_size(batch_size: int, num_devices: int, gpu0_bsz: int) -> None:
+    planned = plan_chunk_sizes(batch_size, num_devices, gpu0_bsz=gpu0_bsz)
+    assert planned[0] == min(gpu0_bsz, batch_size // num_devices)
+    assert sum(planned) == batch_size
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"gpu0_bsz": 3}, {"gpu0_bsz": 0}, {"chunk_sizes": [0, 4, 6]}, {"weights": [1.0, 2.0, 3.0]}]
+)
+def test_a_batch_of_zero_samples_is_planned_as_zero_everywhere(options: dict[str, Any]) -> None:
+    assert plan_chunk_sizes(0, 3, **options) == [0, 0, 0]
+
+
+def test_the_policy_checks_the_device_count_and_names_its_setting() -> None:
+    policy = split_policy(chunk_sizes=[2, 3])
+    with pytest.raises(ValueError, match=r"one entry per device \(3\)"):
+        policy.check_devices(3)
+    assert str(policy) == "chunk_sizes=[2, 3]"
+    assert str(split_policy(gpu0_bsz=4)) == "gpu0_bsz=4"
+    assert str(split_policy(weights=[1, 2])) == "weights=[1.0, 2.0]"
+    assert policy.plan(10, 2) == plan_chunk_sizes(10, 2, chunk_sizes=[2, 3]) == [4, 6]
+
+
 # --- errors -----------------------------------------------------------------------------------------------------------
 
 
@@ -245,13 +279,11 @@ def test_explicit_chunk_sizes_are_returned_as_given(sizes: list[int], as_tuple: 
         ((10, 0), {}, "num_devices"),
         ((10, -2), {}, "num_devices"),
         ((10, 2), {"gpu0_bsz": -1}, "gpu0_bsz"),
-        ((10, 2), {"gpu0_bsz": 11}, "gpu0_bsz"),
         ((10, 1), {"gpu0_bsz": 9}, "gpu0_bsz"),
         ((10, 3), {"chunk_sizes": [6, -1, 5]}, "chunk_sizes"),
         ((10, 3), {"chunk_sizes": [5, 5]}, "chunk_sizes"),
         ((10, 3), {"chunk_sizes": [5, 5, 0, 0]}, "chunk_sizes"),
-        ((10, 3), {"chunk_sizes": [5, 4, 0]}, "chunk_sizes"),
-        ((10, 3), {"chunk_sizes": [5, 4, 2]}, "chunk_sizes"),
+        ((10, 3), {"chunk_sizes": [0, 0, 0]}, "chunk_sizes"),
         ((10, 3), {"weights": [1.0, 1.0]}, "weights"),
         ((10, 3), {"weights": [1.0, 1.0, 1.0, 1.0]}, "weights"),
         ((10, 3), {"weights": [1.0, 0.0, 1.0]}, "weights"),

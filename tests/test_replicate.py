@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_balanced.parallel import gather, parallel_apply, plan_chunk_sizes, replicate, scatter
+from lightning_balanced.parallel import gather, parallel_apply, plan_chunk_sizes, replicate, scatter, virtual_devices
 
 CPU = torch.device("cpu")
 
@@ -64,13 +65,18 @@ def _batch(batch_size: int, in_features: int = 5, out_features: int = 3, seed: i
     return x, y
 
 
+def _devices(n: int) -> list[torch.device]:
+    """Virtual CPU devices cpu:0 ... cpu:n-1, each with its own identity, as the strategy uses them."""
+    return virtual_devices([CPU] * n)
+
+
 def _data_parallel(module: nn.Module, batch: Any, sizes: list[int], *, detach: bool = False) -> Any:
-    """The step the strategy composes: scatter → replicate → parallel_apply → gather, weights = chunk share."""
-    devices = [CPU] * len(sizes)
+    """The step the strategy composes: scatter → replicate → parallel_apply → gather."""
+    devices = _devices(len(sizes))
     chunks = scatter(batch, sizes, devices)
     replicas = replicate(module, devices, detach=detach)
     outputs = parallel_apply(replicas, chunks, [{}] * len(sizes), devices)
-    return gather(outputs, CPU, [size / sum(sizes) for size in sizes])
+    return gather(outputs, CPU, sizes)
 
 
 def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -173,7 +179,7 @@ def test_batchnorm_running_stats_persist_from_replica_0_only() -> None:
     x, _ = _batch(8, in_features=4)
     sizes = [3, 2, 3]
     chunks = torch.split(x, sizes)
-    devices = [CPU] * 3
+    devices = _devices(3)
 
     replicas = replicate(model, devices)
     outputs = parallel_apply(replicas, [(c,) for c in scatter(x, sizes, devices)], [{}] * 3, devices)
@@ -181,7 +187,7 @@ def test_batchnorm_running_stats_persist_from_replica_0_only() -> None:
 
     # Like torch's DataParallel, each replica normalizes its own chunk with its own batch statistics...
     for output, expected in zip(outputs, expected_outputs, strict=True):
-        torch.testing.assert_close(output, expected, **EXACT)
+        torch.testing.assert_close(output.cpu(), expected, **EXACT)
     # ...and the original module keeps the running statistics of chunk 0 only.
     bn, bn_alone = model[1], [m[1] for m in alone]
     torch.testing.assert_close(bn.running_mean, bn_alone[0].running_mean, **EXACT)
@@ -191,7 +197,7 @@ def test_batchnorm_running_stats_persist_from_replica_0_only() -> None:
         assert not torch.allclose(bn.running_mean, other.running_mean)
     # The other replicas did update their statistics, on copies that are dropped with them.
     for replica, other in zip(replicas[1:], bn_alone[1:], strict=True):
-        torch.testing.assert_close(replica[1].running_mean, other.running_mean, **EXACT)
+        torch.testing.assert_close(replica[1].running_mean.cpu(), other.running_mean, **EXACT)
         assert replica[1].running_mean.data_ptr() != bn.running_mean.data_ptr()
     assert replicas[0][1].running_mean.data_ptr() == bn.running_mean.data_ptr()
 
@@ -213,14 +219,14 @@ def test_replicas_have_no_parameters_of_their_own() -> None:
     # As in torch.nn.DataParallel: the parameters are views of the original's, plain attributes of the replica, so an
     # optimizer or a grad-clipping pass can only ever see the original module's leaves.
     model = _bn_net()
-    replicas = replicate(model, [CPU] * 3)
+    replicas = replicate(model, _devices(3))
     assert len(replicas) == 3
     for replica in replicas:
         assert replica is not model
         assert list(replica.parameters()) == []
         assert all(r is not m for r, m in zip(replica.modules(), model.modules(), strict=True))
         assert len(list(replica.buffers())) == len(list(model.buffers()))
-        torch.testing.assert_close(replica[0].weight, model[0].weight, rtol=0, atol=0)
+        assert torch.equal(replica[0].weight, model[0].weight)
         assert replica[0].weight.requires_grad
 
 
@@ -231,7 +237,7 @@ def test_detached_replicas_build_no_graph() -> None:
         result = _data_parallel(model, (x, y), [2, 2, 2], detach=True)
     assert not result["loss"].requires_grad and result["loss"].grad_fn is None
     assert not result["preds"].requires_grad and result["preds"].grad_fn is None
-    for replica in replicate(model, [CPU] * 2, detach=True):
+    for replica in replicate(model, _devices(2), detach=True):
         assert not replica.net[0].weight.requires_grad
     assert all(param.grad is None for param in model.parameters())
 
@@ -264,7 +270,7 @@ class Recorder(nn.Module):
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference"])
 def test_grad_and_inference_mode_are_carried_into_the_worker_threads(mode: str) -> None:
     model = Recorder()
-    devices = [CPU] * 3
+    devices = _devices(3)
     replicas = replicate(model, devices, detach=mode != "grad")
     inputs = [(torch.randn(2, 2),) for _ in devices]
     context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}[mode]
@@ -281,32 +287,92 @@ def test_grad_and_inference_mode_are_carried_into_the_worker_threads(mode: str) 
 
 
 @pytest.mark.parametrize("failing", [0, 1, 2])
-def test_a_failing_replica_raises_its_own_exception_after_all_finish(failing: int) -> None:
+def test_a_failing_replica_is_re_raised_after_all_finish_as_cuda_parallel_apply_does(failing: int) -> None:
     model = Recorder()
-    devices = [CPU] * 3
+    devices = _devices(3)
     replicas = replicate(model, devices)
     inputs = [(torch.randn(2, 2),) for _ in devices]
     # The healthy replicas are slow, so a failure raised before they finish would leave them out of `calls`.
     kwargs = [{"fail": i == failing, "delay": 0.0 if i == failing else 0.05} for i in range(3)]
-    with pytest.raises(KeyError, match="replica failure") as info:
+    with pytest.raises(KeyError) as info:
         parallel_apply(replicas, inputs, kwargs, devices)
     assert len(model.calls) == 3
-    assert any(f"replica {failing}" in note for note in getattr(info.value, "__notes__", []))
+    # torch's ExceptionWrapper: a new exception of the same type, the original's traceback as text, no cause.
+    message = str(info.value)
+    assert message.startswith(f"Caught KeyError in replica {failing} on device cpu:{failing}.")
+    assert "replica failure" in message and "Original Traceback" in message
+    assert info.value.__cause__ is None
 
 
-def test_the_first_failing_replica_wins() -> None:
+def test_an_exception_that_cannot_be_rebuilt_from_a_message_becomes_a_runtime_error() -> None:
+    class TwoArguments(Exception):
+        def __init__(self, a: int, b: int) -> None:
+            super().__init__(a, b)
+
+    class Failing(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise TwoArguments(1, 2)
+
+    devices = _devices(2)
+    with pytest.raises(RuntimeError, match="Caught TwoArguments in replica 0"):
+        parallel_apply(replicate(Failing(), devices), [(torch.ones(1),)] * 2, [{}] * 2, devices)
+
+
+def test_the_lowest_failing_replica_wins() -> None:
     model = Recorder()
-    devices = [CPU] * 3
+    devices = _devices(3)
     replicas = replicate(model, devices)
     kwargs = [{}, {"fail": True}, {"fail": True}]
-    with pytest.raises(KeyError) as info:
+    with pytest.raises(KeyError, match="replica 1 on device cpu:1"):
         parallel_apply(replicas, [(torch.randn(2, 2),) for _ in devices], kwargs, devices)
-    assert any("replica 1" in note for note in info.value.__notes__)
+
+
+# --- device identity in the emulation ---------------------------------------------------------------------------------
+
+
+def test_replicate_refuses_a_module_that_is_not_on_the_first_device() -> None:
+    # torch's broadcast_coalesced: "All tensors must be on devices[0]". The module lives on the root device, cpu:0.
+    devices = _devices(3)
+    with pytest.raises(RuntimeError, match=r"All tensors must be on devices\[0\].*cpu:0.*cpu:1"):
+        replicate(_mlp(), devices[1:])
+    replica_on_1 = replicate(_bn_net(), devices)[1]  # its BatchNorm buffers are on cpu:1
+    with pytest.raises(RuntimeError, match=r"All tensors must be on devices\[0\]"):
+        replicate(replica_on_1, devices)
+
+
+def test_each_replica_computes_on_its_own_device_and_mixing_devices_fails() -> None:
+    model = _mlp()
+    devices = _devices(3)
+    replicas = replicate(model, devices)
+    chunks = scatter(_batch(6)[0], [2, 2, 2], devices)
+    outputs = parallel_apply(replicas, [(c,) for c in chunks], [{}] * 3, devices)
+    for replica, output, device in zip(replicas, outputs, devices, strict=True):
+        assert replica[0].weight.device == device and output.device == device
+    with pytest.raises(RuntimeError, match=r"Expected all tensors to be on the same device.*cpu:0 and cpu:1"):
+        torch.cat(outputs)
+    with pytest.raises(RuntimeError, match="same device"):
+        replicas[1](chunks[0])  # replica 1 on replica 0's chunk
+    moved = torch.cat([o.to(devices[0]) for o in outputs])
+    assert moved.device == devices[0]
+    torch.testing.assert_close(moved.to("cpu"), model(_batch(6)[0]), **EXACT)
+
+
+def test_compiled_modules_are_refused_before_anything_is_touched() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    compiled_child = nn.Sequential(torch.compile(nn.Linear(2, 2), backend="eager"))
+    in_place = nn.Sequential(nn.Linear(2, 2))
+    in_place[0].compile(backend="eager")  # the backend does not matter: nothing is run
+    for network, name in ((compiled_child, "`0` (torch.compile)"), (in_place, "`0` (Module.compile())")):
+        before = [(n, type(m), dict(m._parameters)) for n, m in network.named_modules()]
+        with pytest.raises(TypeError, match=re.escape(name) + ".*Remove the `torch.compile`"):
+            replicate(network, _devices(2))
+        assert [(n, type(m), dict(m._parameters)) for n, m in network.named_modules()] == before
+    assert len(replicate(model, _devices(2))) == 2
 
 
 def test_outputs_come_back_in_replica_order_with_a_reused_executor() -> None:
     model = _mlp()
-    devices = [CPU] * 4
+    devices = _devices(4)
     inputs = [(torch.full((i + 1, 5), float(i), dtype=torch.float64),) for i in range(4)]
     with ThreadPoolExecutor(max_workers=3) as executor:
         for _ in range(2):
@@ -314,13 +380,13 @@ def test_outputs_come_back_in_replica_order_with_a_reused_executor() -> None:
                 replicate(model, devices, detach=True), inputs, [{}] * 4, devices, executor=executor
             )
             for output, (x,) in zip(outputs, inputs, strict=True):
-                torch.testing.assert_close(output, model(x), **EXACT)
+                torch.testing.assert_close(output.cpu(), model(x), **EXACT)
 
 
 def test_parallel_apply_rejects_sequences_of_different_lengths() -> None:
-    replicas = replicate(_mlp(), [CPU] * 2)
+    replicas = replicate(_mlp(), _devices(2))
     with pytest.raises(ValueError, match="must match"):
-        parallel_apply(replicas, [(torch.randn(1, 5, dtype=torch.float64),)], [{}, {}], [CPU, CPU])
+        parallel_apply(replicas, [(torch.randn(1, 5, dtype=torch.float64),)], [{}, {}], _devices(2))
 
 
 def test_no_replicas_give_no_outputs() -> None:

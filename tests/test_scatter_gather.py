@@ -191,8 +191,8 @@ def test_split_is_autograd_aware(sizes: list[int]) -> None:
     ("sizes", "num_devices", "match"),
     [
         ([3, 3], 3, "devices"),
-        ([6, 0], 2, "positive"),
-        ([4, -1, 3], 3, "positive"),
+        ([4, -1, 3], 3, "non-negative"),
+        ([], 0, "at least one device"),
         ([3, 2], 2, "sum"),
         ([3, 4], 2, "sum"),
     ],
@@ -200,6 +200,24 @@ def test_split_is_autograd_aware(sizes: list[int]) -> None:
 def test_scatter_rejects_chunk_sizes_that_do_not_fit(sizes: list[int], num_devices: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         scatter(_data(6, 2), sizes, _cpus(num_devices))
+
+
+def test_a_zero_chunk_gives_empty_tensors_and_an_empty_batch_goes_to_one_device() -> None:
+    chunks = scatter((_data(6, 2), 5), [6, 0], _cpus(2))
+    assert chunks[1][0].shape == (0, 2) and chunks[1][1] == 5
+    (empty,) = scatter(_data(0, 2), [0], _cpus(1))
+    assert empty.shape == (0, 2)
+
+
+def test_chunks_on_virtual_devices_carry_their_device() -> None:
+    from lightning_balanced.parallel import virtual_devices
+
+    devices = virtual_devices(_cpus(3))
+    assert devices == [torch.device("cpu", i) for i in range(3)]
+    chunks = scatter((_data(6, 2), torch.tensor(2.0)), [1, 2, 3], devices)
+    for device, (x, scale) in zip(devices, chunks, strict=True):
+        assert x.device == device and scale.device == device
+        assert (x * scale).device == device  # computed tensors stay on the replica's device
 
 
 # --- gather -----------------------------------------------------------------------------------------------------------
@@ -210,16 +228,80 @@ def test_scatter_rejects_chunk_sizes_that_do_not_fit(sizes: list[int], num_devic
 def test_per_sample_tensors_are_concatenated_in_replica_order(sizes: list[int]) -> None:
     whole = torch.randn(sum(sizes), 2, dtype=torch.float64)
     outputs = list(torch.split(whole, sizes))
-    weights = [s / sum(sizes) for s in sizes]
-    gathered = gather(outputs, CPU, weights)
+    gathered = gather(outputs, CPU, sizes)
     assert torch.equal(gathered, whole)
 
 
-def test_scalars_combine_as_the_weighted_sum() -> None:
+def test_floating_scalars_combine_as_the_chunk_weighted_mean_or_the_sum() -> None:
     losses = [torch.tensor(v, dtype=torch.float64) for v in (1.0, 4.0, -2.0)]
-    gathered = gather(losses, CPU, [0.5, 0.25, 0.25])
+    gathered = gather(losses, CPU, [2, 1, 1])
     assert gathered.dim() == 0
     torch.testing.assert_close(gathered, torch.tensor(1.0, dtype=torch.float64), rtol=0, atol=1e-15)
+    summed = gather(losses, CPU, [2, 1, 1], loss_reduction="sum")
+    torch.testing.assert_close(summed, torch.tensor(3.0, dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_integer_scalars_are_counts_summed_in_their_dtype(dtype: torch.dtype) -> None:
+    whole = torch.tensor([3, 0, 5, 1, 2, 2, 7])
+    sizes = [2, 4, 1]
+    counts = [(chunk > 1).sum().to(dtype) for chunk in torch.split(whole, sizes)]
+    gathered = gather(counts, CPU, sizes)
+    assert gathered.dtype == dtype and gathered.dim() == 0
+    assert torch.equal(gathered, (whole > 1).sum().to(dtype))
+
+
+@pytest.mark.parametrize(("values", "expected"), [((False, True, False), True), ((False, False, False), False)])
+def test_bool_scalars_are_set_when_set_on_any_replica(values: tuple[bool, ...], expected: bool) -> None:
+    gathered = gather([torch.tensor(v) for v in values], CPU, [1, 2, 3])
+    assert gathered.dtype == torch.bool and gathered.dim() == 0
+    assert bool(gathered) is expected
+
+
+def test_per_sample_lists_are_concatenated_in_batch_order() -> None:
+    sizes = [1, 3, 2]
+    ids = [f"img{i}" for i in range(6)]
+    detections = [{"boxes": torch.rand(i, 4), "labels": torch.arange(i)} for i in range(6)]
+    chunks = [range(0, 1), range(1, 4), range(4, 6)]
+    outputs = [{"ids": [ids[i] for i in c], "detections": [detections[i] for i in c]} for c in chunks]
+    gathered = gather(outputs, CPU, sizes)
+    assert gathered["ids"] == ids  # as one device returns them, not one list per replica
+    assert len(gathered["detections"]) == 6
+    for got, expected in zip(gathered["detections"], detections, strict=True):
+        assert torch.equal(got["boxes"], expected["boxes"]) and torch.equal(got["labels"], expected["labels"])
+
+
+def test_a_list_of_batched_tensors_is_a_structure_even_when_its_length_equals_the_chunk() -> None:
+    preds, target = torch.randn(4, 3), torch.randn(4, 3)
+    outputs = [[preds[:2], target[:2]], [preds[2:], target[2:]]]  # length 2 == chunk size 2
+    gathered = gather(outputs, CPU, [2, 2])
+    assert len(gathered) == 2
+    assert torch.equal(gathered[0], preds) and torch.equal(gathered[1], target)
+
+
+def test_tuples_are_structures_and_lists_of_another_length_are_zipped() -> None:
+    outputs = [(torch.zeros(1), "a"), (torch.ones(2), "a")]
+    gathered = gather(outputs, CPU, [1, 2])
+    assert torch.equal(gathered[0], torch.tensor([0.0, 1.0, 1.0])) and gathered[1] == "a"
+    zipped = gather([[torch.tensor(1.0)], [torch.tensor(3.0)]], CPU, [2, 2])
+    assert zipped == [torch.tensor(2.0)]
+
+
+def test_outputs_of_virtual_devices_are_moved_to_the_target_device_first() -> None:
+    from lightning_balanced.parallel import virtual_devices
+    from lightning_balanced.parallel.virtual_device import on_device
+
+    devices = virtual_devices([CPU] * 2)
+    outputs = [
+        {"preds": on_device(torch.full((i + 1, 2), float(i)), d), "ids": [on_device(torch.tensor(i), d)] * (i + 1)}
+        for i, d in enumerate(devices)
+    ]
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.cat([o["preds"] for o in outputs])  # what torch.cat does with tensors of two GPUs
+    gathered = gather(outputs, CPU, [1, 2])
+    assert type(gathered["preds"]) is torch.Tensor and gathered["preds"].device == CPU
+    assert all(type(t) is torch.Tensor for t in gathered["ids"])
+    assert torch.equal(torch.stack(gathered["ids"]), torch.tensor([0, 1, 1]))
 
 
 @PROPERTY
@@ -227,14 +309,14 @@ def test_scalars_combine_as_the_weighted_sum() -> None:
 def test_chunk_means_weighted_by_chunk_size_give_the_batch_mean(sizes: list[int]) -> None:
     whole = torch.randn(sum(sizes), dtype=torch.float64)
     means = [chunk.mean() for chunk in torch.split(whole, sizes)]
-    gathered = gather(means, CPU, [s / sum(sizes) for s in sizes])
+    gathered = gather(means, CPU, sizes)
     # Only the summation order differs (float64, values of order 1).
     torch.testing.assert_close(gathered, whole.mean(), rtol=0, atol=1e-12)
 
 
-def test_weights_of_the_wrong_length_raise() -> None:
-    with pytest.raises(ValueError):
-        gather([torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)], CPU, [0.5, 0.5])
+def test_chunk_sizes_of_the_wrong_length_raise() -> None:
+    with pytest.raises(ValueError, match="chunk_sizes"):
+        gather([torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)], CPU, [1, 1])
 
 
 def test_containers_keep_their_structure_and_types() -> None:
@@ -246,7 +328,7 @@ def test_containers_keep_their_structure_and_types() -> None:
             "ordered": OrderedDict(b=torch.full((i + 1,), i), a="same"),
         }
 
-    gathered = gather([step_output(0), step_output(1)], CPU, [0.25, 0.75])
+    gathered = gather([step_output(0), step_output(1)], CPU, [1, 3])
     assert type(gathered) is dict
     assert list(gathered) == ["loss", "pair", "sample", "ordered"]
     torch.testing.assert_close(gathered["loss"], torch.tensor(0.75))
@@ -259,7 +341,7 @@ def test_containers_keep_their_structure_and_types() -> None:
 
     assert type(gathered["sample"]) is Sample
     assert torch.equal(gathered["sample"].image, torch.tensor([[0.0], [1.0], [1.0]]))
-    torch.testing.assert_close(gathered["sample"].label, torch.tensor(0.75))
+    assert torch.equal(gathered["sample"].label, torch.tensor(1))  # an integer scalar is a count: summed
     assert gathered["sample"].source == "val"
 
     assert type(gathered["ordered"]) is OrderedDict
@@ -269,15 +351,15 @@ def test_containers_keep_their_structure_and_types() -> None:
 
 
 def test_none_stays_none() -> None:
-    assert gather([None, None, None], CPU, [0.2, 0.3, 0.5]) is None
-    assert gather([{"preds": None}, {"preds": None}], CPU, [0.5, 0.5]) == {"preds": None}
+    assert gather([None, None, None], CPU, [2, 3, 5]) is None
+    assert gather([{"preds": None}, {"preds": None}], CPU, [1, 1]) == {"preds": None}
 
 
 def test_equal_leaves_are_kept_once_and_unequal_ones_become_a_list() -> None:
     outputs = [{"name": "cifar", "step": 3, "rank": 0}, {"name": "cifar", "step": 3, "rank": 1}]
-    assert gather(outputs, CPU, [0.5, 0.5]) == {"name": "cifar", "step": 3, "rank": [0, 1]}
+    assert gather(outputs, CPU, [1, 1]) == {"name": "cifar", "step": 3, "rank": [0, 1]}
     # Equal in value but not in type: kept per replica.
-    assert gather([1, 1.0], CPU, [0.5, 0.5]) == [1, 1.0]
+    assert gather([1, 1.0], CPU, [1, 1]) == [1, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -299,7 +381,7 @@ def test_equal_leaves_are_kept_once_and_unequal_ones_become_a_list() -> None:
 )
 def test_mismatched_structures_raise_value_error(outputs: list[Any]) -> None:
     with pytest.raises(ValueError):
-        gather(outputs, CPU, [0.5, 0.5])
+        gather(outputs, CPU, [3, 3])
 
 
 @PROPERTY
@@ -310,7 +392,7 @@ def test_gradients_flow_through_the_gathered_result(sizes: list[int]) -> None:
     target = torch.randn(sum(sizes), 3, dtype=torch.float64)
     chunks = scatter((x, target), sizes, _cpus(len(sizes)))
     outputs = [{"loss": ((c_x.tanh() - c_t) ** 2).mean(), "preds": c_x.tanh()} for c_x, c_t in chunks]
-    gathered = gather(outputs, CPU, [s / sum(sizes) for s in sizes])
+    gathered = gather(outputs, CPU, sizes)
     (gathered["loss"] + gathered["preds"].sum()).backward()
 
     x_ref = x.detach().clone().requires_grad_(True)

@@ -1,12 +1,13 @@
-"""Bring the replicas' outputs back to one device: per-sample tensors concatenated, per-replica scalars combined."""
+"""Bring the replicas' outputs back to one device so that they equal what one device returns for the whole batch."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.parallel._functions import Gather
 
@@ -17,10 +18,20 @@ def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
+def _combine_scalars(tensors: Sequence[Tensor], target_device: torch.device, weights: Sequence[float]) -> Tensor:
+    moved = [t.to(target_device) for t in tensors]
+    dtype = moved[0].dtype
+    if dtype == torch.bool:  # a flag per chunk: set for the batch when set for any chunk (the sum, kept in bool)
+        return torch.stack(moved).any()
+    if not (dtype.is_floating_point or dtype.is_complex):  # a count per chunk: the batch's count is the sum
+        return torch.stack(moved).sum(dtype=dtype)
+    # A per-chunk mean (the loss, a metric) weighted by the chunk's share: the batch mean; or the sum for "sum".
+    return torch.stack([t * w for t, w in zip(moved, weights, strict=True)]).sum()
+
+
 def _gather_tensors(tensors: Sequence[Tensor], target_device: torch.device, weights: Sequence[float]) -> Tensor:
     if all(t.dim() == 0 for t in tensors):
-        # A per-replica scalar (the loss, a logged mean): the weighted sum, autograd-aware, on the target device.
-        return torch.stack([t.to(target_device) * w for t, w in zip(tensors, weights, strict=True)]).sum()
+        return _combine_scalars(tensors, target_device, weights)
     if any(t.dim() == 0 for t in tensors):
         raise ValueError(
             f"Cannot gather a step output that is a scalar on some replicas and not on others: shapes"
@@ -31,36 +42,82 @@ def _gather_tensors(tensors: Sequence[Tensor], target_device: torch.device, weig
     return torch.cat([t.to(target_device) for t in tensors])
 
 
-def gather(outputs: Sequence[Any], target_device: torch.device, weights: Sequence[float]) -> Any:
+def _is_per_sample_list(outputs: Sequence[Any], chunk_sizes: Sequence[int]) -> bool:
+    """A ``list`` with one item per sample of its replica's chunk, and not a list of batched tensors."""
+    if not all(type(o) is list and len(o) == size for o, size in zip(outputs, chunk_sizes, strict=True)):
+        return False
+    batched = all(
+        isinstance(item, Tensor) and item.dim() > 0 and item.shape[0] == size
+        for o, size in zip(outputs, chunk_sizes, strict=True)
+        for item in o
+    )
+    return not batched or not any(outputs)
+
+
+def gather(
+    outputs: Sequence[Any],
+    target_device: torch.device,
+    chunk_sizes: Sequence[int],
+    *,
+    loss_reduction: Literal["mean", "sum"] = "mean",
+) -> Any:
     """Combine the step outputs of the replicas, which ran on consecutive chunks of one batch, on ``target_device``.
 
-    Walks the outputs' common structure (dicts, lists, tuples, namedtuples, dataclasses):
+    Walks the outputs' common structure and combines each leaf so that the result is what one device returns for the
+    whole batch in the usual cases:
 
-    - tensors with a batch dimension are concatenated along dim 0, in replica order, which is batch order;
-    - 0-dim tensors (per-replica scalars such as the loss) become ``sum(weights[i] * t_i)``; with
-      ``weights[i] = chunk_sizes[i] / batch_size`` a per-chunk mean becomes the mean over the whole batch;
-    - ``None`` stays ``None``; other leaves that are equal on every replica are kept once, otherwise they become the
-      list of per-replica values.
+    ======================================================  =========================================================
+    output of each replica                                  gathered output
+    ======================================================  =========================================================
+    tensor with a batch dimension                           concatenated along dim 0, in batch order
+    ``list`` of one item per sample (``len`` = chunk size)  concatenated, in batch order (``list[str]`` ids,
+                                                            ``list[dict]`` detections, ``list[Tensor]`` of any shape)
+    0-dim floating tensor (a loss, a mean)                  ``sum(chunk_size_i / batch_size * t_i)``, the batch mean;
+                                                            with ``loss_reduction="sum"`` the plain sum
+    0-dim integer tensor (a count)                          the sum, same dtype
+    0-dim bool tensor (a flag)                              set if set on any replica (the sum in ``bool``), ``bool``
+    ``dict``, ``tuple``, ``namedtuple``, dataclass, other   item by item with these rules; a ``list`` of batched
+    ``list`` (e.g. ``[preds, target]``)                     tensors of the chunk's size is such a structure
+    ``None``                                                ``None``
+    any other value                                         kept once if equal on every replica, else the list of
+                                                            the replicas' values
+    ======================================================  =========================================================
 
-    The combination is autograd-aware (torch's ``Gather`` on CUDA, ``cat``/``stack`` elsewhere).
+    Every tensor is moved to ``target_device`` before it is combined (an autograd-aware ``Gather`` on CUDA, ``to`` and
+    ``cat``/``stack`` elsewhere), so the result lives on ``target_device`` whatever device each replica ran on.
 
     Args:
         outputs (Sequence): one output per replica, all with the same structure.
         target_device (torch.device): where the result lives.
-        weights (Sequence[float]): one weight per replica for the 0-dim tensors.
+        chunk_sizes (Sequence[int]): the number of samples each replica ran on.
+        loss_reduction (str): ``"mean"`` when a 0-dim floating output is a mean over the chunk, ``"sum"`` when it is
+            a sum.
 
     Returns:
         The gathered output, with the structure of ``outputs[0]``.
 
     Raises:
-        ValueError: the replicas returned different structures (keys, lengths, types) or a leaf that is a scalar on
-            some replicas only.
+        ValueError: ``chunk_sizes`` does not have one entry per output, or the replicas returned different structures
+            (keys, lengths, types) or a leaf that is a scalar on some replicas only.
+
+    Source: torch's ``Gather`` for tensors; per-sample lists and counts as one device would return them.
     """
+    if len(chunk_sizes) != len(outputs):
+        raise ValueError(f"`chunk_sizes` has {len(chunk_sizes)} entries for {len(outputs)} outputs; they must match")
+    total = sum(chunk_sizes)
+    if loss_reduction == "mean" and total > 0:
+        weights = [size / total for size in chunk_sizes]
+    else:
+        weights = [1.0] * len(chunk_sizes)
+    return _gather(outputs, target_device, chunk_sizes, weights)
+
+
+def _gather(outputs: Sequence[Any], device: torch.device, sizes: Sequence[int], weights: Sequence[float]) -> Any:
     first = outputs[0]
     if isinstance(first, Tensor):
         if not all(isinstance(o, Tensor) for o in outputs):
             raise ValueError(f"Replicas returned different types: {[type(o).__name__ for o in outputs]}")
-        return _gather_tensors(outputs, target_device, weights)
+        return _gather_tensors(outputs, device, weights)
     if first is None:
         if any(o is not None for o in outputs):
             raise ValueError("Some replicas returned None and others did not")
@@ -72,20 +129,22 @@ def gather(outputs: Sequence[Any], target_device: torch.device, weights: Sequenc
         if any(set(o.keys()) != set(keys) for o in outputs):
             raise ValueError(f"Replicas returned dicts with different keys: {[list(o) for o in outputs]}")
         mapping_type: Any = type(first)
-        return mapping_type((k, gather([o[k] for o in outputs], target_device, weights)) for k in keys)
+        return mapping_type((k, _gather([o[k] for o in outputs], device, sizes, weights)) for k in keys)
     if isinstance(first, (list, tuple)):
+        if _is_per_sample_list(outputs, sizes):
+            return [apply_to_collection(item, Tensor, Tensor.to, device) for o in outputs for item in o]
         if any(type(o) is not type(first) or len(o) != len(first) for o in outputs):
             raise ValueError(
-                "Replicas returned sequences of different types or lengths; a per-sample sequence must be"
-                " a tensor to be gathered"
+                f"Replicas returned sequences of different types or lengths ({[len(o) for o in outputs]} for chunks"
+                f" of {list(sizes)}): a per-sample list must have one item per sample of the chunk"
             )
-        items = [gather(list(column), target_device, weights) for column in zip(*outputs, strict=True)]
+        items = [_gather(list(column), device, sizes, weights) for column in zip(*outputs, strict=True)]
         return type(first)(*items) if _is_namedtuple(first) else type(first)(items)
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         if any(type(o) is not type(first) for o in outputs):
             raise ValueError(f"Replicas returned different types: {[type(o).__name__ for o in outputs]}")
         fields = {
-            f.name: gather([getattr(o, f.name) for o in outputs], target_device, weights)
+            f.name: _gather([getattr(o, f.name) for o in outputs], device, sizes, weights)
             for f in dataclasses.fields(first)
             if f.init
         }

@@ -7,18 +7,29 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch._utils import ExceptionWrapper
 from torch.nn import Module
 from torch.nn.parallel import parallel_apply as cuda_parallel_apply
 
 __all__ = ["parallel_apply"]
 
 
-def _run_replica(module: Module, args: Sequence[Any], kwargs: dict[str, Any], modes: tuple[bool, bool]) -> Any:
+def _run_replica(
+    index: int,
+    module: Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    modes: tuple[bool, bool],
+) -> Any:
     # Grad and inference mode are thread-local: carry the caller's into the worker. Precision (autocast) is re-entered
-    # by the module itself.
+    # by the module itself. A failure is wrapped as torch's CUDA parallel_apply wraps it, traceback as text.
     grad_enabled, inference_mode = modes
-    with torch.inference_mode(inference_mode), torch.set_grad_enabled(grad_enabled):
-        return module(*args, **kwargs)
+    try:
+        with torch.inference_mode(inference_mode), torch.set_grad_enabled(grad_enabled):
+            return module(*args, **kwargs)
+    except Exception:
+        return ExceptionWrapper(where=f"in replica {index} on device {device}")
 
 
 def parallel_apply(
@@ -45,8 +56,10 @@ def parallel_apply(
         list: the replicas' outputs, in replica order.
 
     Raises:
-        Exception: the first failing replica's own exception, re-raised after all replicas finished, with a note
-            naming the replica and device.
+        Exception: after all replicas finished, the exception of the failing replica with the lowest index, re-raised
+            as torch's CUDA ``parallel_apply`` does on both paths: a new exception of the same type (``RuntimeError``
+            when that type cannot be built from a message) whose message is "Caught <type> in replica <i> on device
+            <device>" and the original traceback; the original exception object is not kept (no ``__cause__``).
         ValueError: the sequences disagree in length.
     """
     if not (len(replicas) == len(inputs) == len(kwargs) == len(devices)):
@@ -60,29 +73,18 @@ def parallel_apply(
         return list(cuda_parallel_apply(list(replicas), list(inputs), list(kwargs), list(devices)))
 
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-    jobs = list(zip(replicas, inputs, kwargs, strict=True))
+    jobs = list(zip(replicas, inputs, kwargs, devices, strict=True))
     own_pool = executor is None and len(jobs) > 1
     pool = ThreadPoolExecutor(max_workers=len(jobs) - 1) if own_pool else executor
     try:
         # Workers first, then the last replica on this thread while they run.
-        futures = [pool.submit(_run_replica, m, a, k, modes) for m, a, k in jobs[:-1]] if pool else []
-        outcomes: list[tuple[bool, Any]] = []
-        try:
-            last_outcome: tuple[bool, Any] = (True, _run_replica(*jobs[-1], modes))
-        except Exception as err:
-            last_outcome = (False, err)
-        for future in futures:
-            try:
-                outcomes.append((True, future.result()))
-            except Exception as err:
-                outcomes.append((False, err))
-        outcomes.append(last_outcome)
-        for i, (ok, value) in enumerate(outcomes):
-            if not ok:
-                if hasattr(value, "add_note"):
-                    value.add_note(f"(raised in replica {i} on {devices[i]})")
-                raise value
-        return [value for _, value in outcomes]
+        futures = [pool.submit(_run_replica, i, *job, modes) for i, job in enumerate(jobs[:-1])] if pool else []
+        last = _run_replica(len(jobs) - 1, *jobs[-1], modes)
+        outcomes = [future.result() for future in futures] + [last]
     finally:
         if own_pool and pool is not None:
             pool.shutdown(wait=True)
+    for outcome in outcomes:
+        if isinstance(outcome, ExceptionWrapper):
+            outcome.reraise()
+    return outcomes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -10,39 +11,83 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import replicate as cuda_replicate
 
-__all__ = ["replicate"]
+from lightning_balanced.parallel.virtual_device import VirtualDeviceTensor, on_device
+
+__all__ = ["check_replicable", "replicate"]
 
 ModuleT = TypeVar("ModuleT", bound=Module)
 
 
-def _host_copies(tensor: Tensor, num_replicas: int, *, detach: bool, is_buffer: bool) -> list[Tensor]:
-    """What ``Broadcast`` gives each replica, emulated on one device.
+def _compiled_submodules(network: Module) -> list[str]:
+    found = []
+    for name, module in network.named_modules(remove_duplicate=False):
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            found.append(f"`{name or type(module).__name__}` (torch.compile)")
+        elif getattr(module, "_compiled_call_impl", None) is not None:
+            found.append(f"`{name or type(module).__name__}` (Module.compile())")
+        elif getattr(module, "_compiler_ctx", None) is not None:
+            found.append(f"`{name or type(module).__name__}` (lightning from_compiled)")
+    return list(dict.fromkeys(found))
+
+
+def check_replicable(network: Module) -> None:
+    """Refuse a module that a data-parallel replica cannot run correctly, before anything is touched.
+
+    A module compiled with ``torch.compile(module)`` or ``module.compile()`` keeps its compiled code bound to the
+    original module, so a replica would run the original's forward (its parameters, its device) instead of its own.
+
+    Raises:
+        TypeError: ``network`` or one of its submodules is compiled; the message names them and what to do instead.
+    """
+    compiled = _compiled_submodules(network)
+    if compiled:
+        raise TypeError(
+            f"Cannot replicate {type(network).__name__} for data parallel: {', '.join(compiled)} is compiled, and"
+            " compiled code stays bound to the original module, so every replica would run the original. Remove the"
+            " `torch.compile`/`.compile()` call when training with balanced_dp (its replicas are rebuilt every step"
+            " and would recompile), or compile under a single device or DDP, where the module is not replicated."
+        )
+
+
+def _check_on_first_device(network: Module, device: torch.device) -> None:
+    """The emulation of ``broadcast_coalesced``'s rule: every tensor of the source module is on ``devices[0]``."""
+    if device.type != "cpu" or device.index is None:
+        return
+    for tensor in itertools.chain(network.parameters(), network.buffers()):
+        index = tensor._virtual_index if isinstance(tensor, VirtualDeviceTensor) else 0
+        if index != device.index:
+            raise RuntimeError(
+                f"All tensors must be on devices[0]: the module to replicate is on cpu:{index}, devices[0] is"
+                f" {device} (torch's replicate broadcasts from devices[0]; replicate from the module's device to every"
+                " device and leave the replicas without samples unused)"
+            )
+
+
+def _host_copies(tensor: Tensor, devices: Sequence[torch.device], *, detach: bool, is_buffer: bool) -> list[Tensor]:
+    """What ``Broadcast`` gives each replica, emulated in host memory.
 
     Tensors that take part in autograd become views (gradients flow back to the original leaf, as through torch's
     ``Broadcast``). Other parameters are aliased: nothing updates them in place during a forward. Other buffers alias
     the original for replica 0 and are cloned for the rest, so in-place updates (BatchNorm running statistics)
-    persist from replica 0 only, exactly as on CUDA.
+    persist from replica 0 only, exactly as on CUDA. Each copy carries its replica's virtual device.
     """
     if tensor.requires_grad and not detach:
-        return [tensor.view_as(tensor) for _ in range(num_replicas)]
+        return [on_device(tensor.view_as(tensor), device) for device in devices]
     base = tensor.detach()
-    return [base.clone() if (is_buffer and i > 0) else base for i in range(num_replicas)]
+    return [on_device(base.clone() if (is_buffer and i > 0) else base, device) for i, device in enumerate(devices)]
 
 
-def _replicate_on_host(network: ModuleT, num_replicas: int, detach: bool) -> list[ModuleT]:
+def _replicate_on_host(network: ModuleT, devices: Sequence[torch.device], detach: bool) -> list[ModuleT]:
     modules = list(network.modules())
     index = {module: i for i, module in enumerate(modules)}
-    params = {
-        param: _host_copies(param, num_replicas, detach=detach, is_buffer=False) for param in network.parameters()
-    }
-    buffers = {
-        buffer: _host_copies(buffer, num_replicas, detach=detach, is_buffer=True) for buffer in network.buffers()
-    }
+    params = {param: _host_copies(param, devices, detach=detach, is_buffer=False) for param in network.parameters()}
+    buffers = {buffer: _host_copies(buffer, devices, detach=detach, is_buffer=True) for buffer in network.buffers()}
 
-    copies = [[module._replicate_for_data_parallel() for module in modules] for _ in range(num_replicas)]
+    copies = [[module._replicate_for_data_parallel() for module in modules] for _ in devices]
     for j, replica_modules in enumerate(copies):
         for module, replica in zip(modules, replica_modules, strict=True):
-            # Same layout as torch.nn.parallel.replicate: non-leaf parameters live as plain attributes.
+            # Same layout as torch.nn.parallel.replicate: non-leaf parameters live as plain attributes. Only the
+            # replica's own dicts (copies made by _replicate_for_data_parallel) are written.
             replica._former_parameters = {}
             for key, child in module._modules.items():
                 replica._modules[key] = None if child is None else replica_modules[index[child]]
@@ -62,19 +107,28 @@ def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool
 
     Replicas share the parameters through autograd: gradients of every replica accumulate into ``network``'s leaves.
     Buffers are copied; only replica 0's in-place buffer updates (BatchNorm running statistics) reach ``network``, as
-    with ``torch.nn.DataParallel``.
+    with ``torch.nn.DataParallel``. ``network`` itself is never modified.
 
     Args:
-        network (Module): the module on ``devices[0]``.
-        devices (Sequence[torch.device]): one device per replica. On CUDA this is ``torch.nn.parallel.replicate``;
-            otherwise every replica stays on the module's device and the broadcast is emulated.
+        network (Module): the module, on ``devices[0]``.
+        devices (Sequence[torch.device]): one device per replica, the module's own first. On CUDA this is
+            ``torch.nn.parallel.replicate``; otherwise every replica stays in host memory and the broadcast is
+            emulated, each replica's tensors carrying the identity of its virtual device (``cpu:i``, see
+            :mod:`~lightning_balanced.parallel.virtual_device`).
         detach (bool): replicas do not take part in autograd (for evaluation under ``torch.no_grad``).
 
     Returns:
         list[Module]: ``len(devices)`` replicas; replica ``i`` belongs on ``devices[i]``.
+
+    Raises:
+        TypeError: ``network`` holds a compiled module (see :func:`check_replicable`).
+        RuntimeError: ``network`` is not on ``devices[0]`` (torch's broadcast raises "All tensors must be on
+            devices[0]"; the emulation raises the same for virtual devices).
     """
     if not devices:
         return []
+    check_replicable(network)
     if devices[0].type == "cuda":
         return cuda_replicate(network, list(devices), detach=detach)
-    return _replicate_on_host(network, len(devices), detach)
+    _check_on_first_device(network, devices[0])
+    return _replicate_on_host(network, devices, detach)

@@ -10,6 +10,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.parallel._functions import Scatter
 
+from lightning_balanced.parallel.virtual_device import on_device
+
 __all__ = ["infer_batch_size", "scatter"]
 
 
@@ -49,12 +51,14 @@ def infer_batch_size(batch: Any) -> int:
 
 
 def _split(tensor: Tensor, chunk_sizes: Sequence[int], devices: Sequence[torch.device]) -> tuple[Tensor, ...]:
+    if len(devices) == 1:
+        return (on_device(tensor, devices[0]),)
     if devices[0].type == "cuda":
         # torch's comm.scatter: copies straight from the source (host or GPU 0) to each device, on side streams.
         indices = [d.index for d in devices]
         return tuple(Scatter.apply(indices, list(chunk_sizes), 0, tensor))
     return tuple(
-        chunk.to(device) for chunk, device in zip(torch.split(tensor, list(chunk_sizes)), devices, strict=True)
+        on_device(chunk, device) for chunk, device in zip(torch.split(tensor, list(chunk_sizes)), devices, strict=True)
     )
 
 
@@ -68,20 +72,24 @@ def scatter(batch: Any, chunk_sizes: Sequence[int], devices: Sequence[torch.devi
         batch: a tensor or any nesting of tuples, lists, dicts, namedtuples and dataclasses. Tensors with a batch
             dimension are split; 0-dim tensors and non-tensor leaves (such as ``batch_idx``) are given to every device
             as they are.
-        chunk_sizes (Sequence[int]): positive sizes, one per device, summing to the batch size.
+        chunk_sizes (Sequence[int]): non-negative sizes, one per device, summing to the batch size (a ``0`` gives that
+            device empty tensors; a batch of 0 samples goes to one device as ``[0]``).
         devices (Sequence[torch.device]): the target devices; on CUDA torch's ``Scatter`` moves each chunk to its GPU
-            (from host or device memory), elsewhere the chunks stay views on the batch's device.
+            (from host or device memory). Elsewhere the chunks stay views on the batch's memory; on a virtual device
+            (``cpu:i``, see :mod:`~lightning_balanced.parallel.virtual_device`) they carry its identity.
 
     Returns:
         list: one batch per device, each with the structure of ``batch``.
 
     Raises:
-        ValueError: the lengths disagree, a chunk is empty, or the sizes do not sum to the batch size.
+        ValueError: the lengths disagree, a size is negative, or the sizes do not sum to the batch size.
     """
     if len(chunk_sizes) != len(devices):
         raise ValueError(f"`chunk_sizes` has {len(chunk_sizes)} entries but there are {len(devices)} devices")
-    if any(size <= 0 for size in chunk_sizes):
-        raise ValueError(f"`chunk_sizes` must be positive (leave empty devices out), got {list(chunk_sizes)}")
+    if not devices:
+        raise ValueError("`devices` must name at least one device")
+    if any(size < 0 for size in chunk_sizes):
+        raise ValueError(f"`chunk_sizes` must be non-negative, got {list(chunk_sizes)}")
     total = sum(chunk_sizes)
 
     chunks: dict[int, tuple[Tensor, ...]] = {}
@@ -105,7 +113,7 @@ def scatter(batch: Any, chunk_sizes: Sequence[int], devices: Sequence[torch.devi
     def pick(i: int) -> Any:
         def leaf(tensor: Tensor) -> Tensor:
             if tensor.dim() == 0:
-                return tensor.to(devices[i])
+                return on_device(tensor, devices[i])
             return chunks[id(tensor)][i]
 
         return apply_to_collection(batch, Tensor, leaf)

@@ -18,21 +18,28 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn import Module
-from torch.nn.modules.batchnorm import _BatchNorm
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_balanced.parallel import gather, infer_batch_size, parallel_apply, plan_chunk_sizes, replicate, scatter
-from lightning_balanced.parallel.chunk_sizes import (
-    check_one_split_option,
-    proportional_split,
-    validate_chunk_sizes,
-    validate_gpu0_bsz,
-    validate_weights,
+from lightning_balanced.parallel import (
+    check_replicable,
+    gather,
+    infer_batch_size,
+    parallel_apply,
+    replicate,
+    scatter,
+    split_policy,
+    virtual_devices,
+)
+from lightning_balanced.parallel.sync_batchnorm import (
+    SyncBatchNormAborted,
+    SyncBatchNormStep,
+    attach_step,
+    convert_replica_batchnorm,
+    revert_replica_batchnorm,
 )
 from lightning_balanced.strategies.replica_hooks import (
     Rendezvous,
-    RendezvousAborted,
     ReplicaLogRecorder,
     find_metrics,
     install_manual_optimization,
@@ -42,6 +49,8 @@ from lightning_balanced.strategies.replica_hooks import (
 
 _REPORT_MEMORY_AFTER_STEPS = 3
 _RENDEZVOUS_TIMEOUT_S = 120.0
+# The start of the message of torch.nn.functional._verify_batch_size: a training BatchNorm saw one value per channel.
+_BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when training"
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class _StepCall:
     inference_mode: bool
     rendezvous: Rendezvous
     replica_index: int
+    batchnorm_step: SyncBatchNormStep | None
 
 
 class _StepDispatcher(Module):
@@ -81,11 +91,9 @@ class _StepDispatcher(Module):
                 return getattr(self.module, call.name)(*args, **kwargs)
         except BaseException as err:
             call.rendezvous.abort(call.replica_index, err)
+            if call.batchnorm_step is not None:
+                call.batchnorm_step.abort(call.replica_index, err)
             raise
-
-
-def _has_training_batchnorm(module: Module) -> bool:
-    return any(isinstance(m, _BatchNorm) and m.training for m in module.modules())
 
 
 if TYPE_CHECKING:
@@ -109,6 +117,7 @@ class BalancedDataParallel(_StrategyBase):
         chunk_sizes: Sequence[int] | None = None,
         weights: Sequence[float] | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
+        sync_batchnorm: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -121,13 +130,15 @@ class BalancedDataParallel(_StrategyBase):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        check_one_split_option(gpu0_bsz, chunk_sizes, weights)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
-        self.gpu0_bsz = None if gpu0_bsz is None else validate_gpu0_bsz(gpu0_bsz)
-        self.chunk_sizes = None if chunk_sizes is None else validate_chunk_sizes(chunk_sizes, len(chunk_sizes))
-        self.weights = None if weights is None else validate_weights(weights, len(weights))
+        if not isinstance(sync_batchnorm, bool):
+            raise TypeError(f"`sync_batchnorm` must be a bool, got {sync_batchnorm!r}")
+        self.split_policy = split_policy(gpu0_bsz, chunk_sizes, weights)
         self.loss_reduction = loss_reduction
+        self.sync_batchnorm = sync_batchnorm
+        self._batchnorm_synced = False
+        self._devices: list[torch.device] = []
         self._dispatcher: _StepDispatcher | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._metric_lock = threading.Lock()
@@ -212,16 +223,16 @@ class BalancedDataParallel(_StrategyBase):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.parallel_devices, "parallel_devices are set by the Trainer"
+        assert self.model is not None, "the LightningModule is connected before setup"
         num_devices = len(self.parallel_devices)
-        if self.chunk_sizes is not None:
-            validate_chunk_sizes(self.chunk_sizes, num_devices)
-        if self.weights is not None:
-            validate_weights(self.weights, num_devices)
-        if self._layer_sync is not None:
-            raise ValueError(
-                "`Trainer(sync_batchnorm=True)` is not supported with strategy='balanced_dp': its replicas run in one"
-                " process and BatchNorm normalizes per chunk. Use DDP (e.g. strategy='ddp') for synchronized BatchNorm."
-            )
+        self.split_policy.check_devices(num_devices)
+        check_replicable(self.model)
+        self._devices = virtual_devices(self.parallel_devices)
+        # `Trainer(sync_batchnorm=True)` reaches us as `_layer_sync`, which Lightning's accelerator connector sets
+        # after __init__ (to torch's SyncBatchNorm plugin, which is for process groups): it asks for the same thing.
+        if self.sync_batchnorm or self._layer_sync is not None:
+            self.model = convert_replica_batchnorm(self.model)
+            self._batchnorm_synced = True
         super().setup(trainer)
         assert self.lightning_module is not None
         self._dispatcher = _StepDispatcher(self.lightning_module, self.precision_plugin)
@@ -235,6 +246,9 @@ class BalancedDataParallel(_StrategyBase):
             self._executor.shutdown(wait=True)
             self._executor = None
         self._dispatcher = None
+        if self._batchnorm_synced and self.model is not None:
+            self.model = revert_replica_batchnorm(self.model)  # the user's own BatchNorm objects, trained state
+            self._batchnorm_synced = False
         on_cuda = self.parallel_devices is not None and self.root_device.type == "cuda"
         super().teardown()
         if on_cuda:
@@ -262,33 +276,42 @@ class BalancedDataParallel(_StrategyBase):
             return self._data_parallel_step("predict_step", args, kwargs)
 
     def plan(self, batch_size: int) -> list[int]:
-        """The chunk sizes, one per device (``0`` = left out), for a batch of ``batch_size`` samples."""
+        """The chunk sizes, one per device (``0`` = left out), for a batch of ``batch_size`` samples.
+
+        The same rule in every loop: :func:`~lightning_balanced.parallel.plan_chunk_sizes` with this strategy's option.
+        """
         assert self.parallel_devices is not None
-        if self.chunk_sizes is not None:
-            if sum(self.chunk_sizes) == batch_size:
-                return list(self.chunk_sizes)
-            return proportional_split(batch_size, self.chunk_sizes)
-        if self.gpu0_bsz is not None:
-            return plan_chunk_sizes(batch_size, len(self.parallel_devices), gpu0_bsz=min(self.gpu0_bsz, batch_size))
-        return plan_chunk_sizes(batch_size, len(self.parallel_devices), weights=self.weights)
+        return self.split_policy.plan(batch_size, len(self.parallel_devices))
 
     def _data_parallel_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        module, dispatcher = self.lightning_module, self._dispatcher
-        assert module is not None and dispatcher is not None and self.parallel_devices is not None
+        module, dispatcher, devices = self.lightning_module, self._dispatcher, self._devices
+        assert module is not None and dispatcher is not None and devices
         batch_size = infer_batch_size((args, kwargs))
         planned = self.plan(batch_size)
         if step_name == "training_step":
             self._report_plan(batch_size, planned)
-        devices = [d for d, size in zip(self.parallel_devices, planned, strict=True) if size > 0]
-        chunk_sizes = [size for size in planned if size > 0]
-        weights = [s / batch_size for s in chunk_sizes] if self.loss_reduction == "mean" else [1.0] * len(chunk_sizes)
+        # Only devices with samples run; a batch of 0 samples runs on the root device alone, as on one device.
+        run = [i for i, size in enumerate(planned) if size > 0] or [0]
+        chunk_sizes = [planned[i] for i in run]
+        run_devices = [devices[i] for i in run]
+        if self.loss_reduction == "mean" and batch_size > 0:
+            weights = [size / batch_size for size in chunk_sizes]
+        else:
+            weights = [1.0] * len(chunk_sizes)
 
-        scattered = scatter((args, kwargs), chunk_sizes, devices)
-        replicas = replicate(dispatcher, devices, detach=not torch.is_grad_enabled())
+        scattered = scatter((args, kwargs), chunk_sizes, run_devices)
+        # torch's replicate broadcasts from the module's device, devices[0]: replicate there even when device 0 has no
+        # samples, and leave that replica unused.
+        replicas = replicate(dispatcher, [devices[0], *run_devices[run[0] == 0 :]], detach=not torch.is_grad_enabled())
+        replicas = replicas[1:] if run[0] != 0 else replicas
+        batchnorm_step = None
+        if self._batchnorm_synced and batch_size > 0:  # a batch of 0 normalizes as on one device (no statistics)
+            batchnorm_step = SyncBatchNormStep(chunk_sizes, _RENDEZVOUS_TIMEOUT_S)
+            attach_step([replica.module for replica in replicas], batchnorm_step)
         recorders = [ReplicaLogRecorder() for _ in replicas]
         rendezvous = Rendezvous(len(replicas), _RENDEZVOUS_TIMEOUT_S)
         manual = step_name == "training_step" and not module.automatic_optimization
-        for i, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
+        for i, (replica, device) in enumerate(zip(replicas, run_devices, strict=True)):
             replica_module = replica.module
             replica_module._device = device
             replica_module.log = recorders[i].log  # type: ignore[method-assign]
@@ -297,44 +320,66 @@ class BalancedDataParallel(_StrategyBase):
                 install_manual_optimization(replica_module, module, i, rendezvous, weights[i])
 
         inference_mode = torch.is_inference_mode_enabled()
-        inputs = [(_StepCall(step_name, inference_mode, rendezvous, i), *a) for i, (a, _) in enumerate(scattered)]
+        inputs = [
+            (_StepCall(step_name, inference_mode, rendezvous, i, batchnorm_step), *a)
+            for i, (a, _) in enumerate(scattered)
+        ]
+        failure: BaseException | None = None
         try:
-            outputs = parallel_apply(replicas, inputs, [k for _, k in scattered], devices, executor=self._executor)
-        except RendezvousAborted as err:
-            raise (err.__cause__ or err) from None  # the failing replica's own error, not a waiting one's
-        except ValueError as err:
-            if 1 in chunk_sizes and step_name == "training_step" and _has_training_batchnorm(module):
-                raise ValueError(
-                    f"balanced_dp split a batch of {batch_size} as {planned}: a chunk of 1 sample cannot be"
-                    " batch-normalized in training (BatchNorm needs more than one value per channel). Change the split"
-                    f" ({self._split_setting()}), use a batch size of at least 2 per device, or `drop_last=True` in the"
-                    " DataLoader for a short last batch."
-                ) from err
-            raise
+            outputs = parallel_apply(replicas, inputs, [k for _, k in scattered], run_devices, executor=self._executor)
+        except Exception as wrapped:
+            failure = self._replica_error(wrapped, rendezvous, step_name, batch_size, planned, run_devices)
+        if failure is not None:
+            raise failure  # outside the handler: the replica's own exception, not chained to the wrapped copy
         replay_logs(module, recorders, chunk_sizes)
         if step_name == "training_step":
             self._report_memory()
-        return gather(outputs, self.root_device, weights)
+        return gather(outputs, self.root_device, chunk_sizes, loss_reduction=self.loss_reduction)
 
-    def _split_setting(self) -> str:
-        if self.gpu0_bsz is not None:
-            return f"gpu0_bsz={self.gpu0_bsz}"
-        if self.chunk_sizes is not None:
-            return f"chunk_sizes={self.chunk_sizes}"
-        if self.weights is not None:
-            return f"weights={self.weights}"
-        return "set gpu0_bsz, chunk_sizes or weights"
+    def _replica_error(
+        self,
+        wrapped: Exception,
+        rendezvous: Rendezvous,
+        step_name: str,
+        batch_size: int,
+        planned: list[int],
+        run_devices: list[torch.device],
+    ) -> BaseException:
+        """The exception to raise for a failed step: the failing replica's own, whatever path re-raised a copy.
+
+        torch's CUDA ``parallel_apply`` (and the CPU emulation, which copies it) re-raises a new exception built from
+        the message, so the original is taken from the rendezvous, where each replica's dispatcher left it.
+        """
+        found = rendezvous.failure(released=(SyncBatchNormAborted,))
+        if found is None:
+            return wrapped
+        index, error = found
+        if (
+            not self._batchnorm_synced
+            and step_name == "training_step"
+            and isinstance(error, ValueError)
+            and str(error).startswith(_BATCHNORM_ONE_VALUE_ERROR)
+        ):
+            relabelled = ValueError(
+                f"balanced_dp split a batch of {batch_size} as {planned}: a chunk of 1 sample cannot be"
+                " batch-normalized in training (BatchNorm needs more than one value per channel). Use"
+                f" `sync_batchnorm=True`, change the split ({self.split_policy}), use a batch size of at least 2 per"
+                " device, or `drop_last=True` in the DataLoader for a short last batch."
+            )
+            relabelled.__cause__ = error
+            return relabelled
+        if hasattr(error, "add_note"):
+            error.add_note(f"(raised in balanced_dp replica {index} on {run_devices[index]})")
+        return error
 
     def _report_plan(self, batch_size: int, planned: list[int]) -> None:
         if self._plan_reported:
             return
         self._plan_reported = True
-        if self.gpu0_bsz is not None and self.gpu0_bsz > batch_size:
-            raise ValueError(f"`gpu0_bsz` ({self.gpu0_bsz}) must not exceed the batch size ({batch_size})")
         assert self.parallel_devices is not None
         lines = [f"balanced_dp: a batch of {batch_size} is split over {len(planned)} devices as {planned}"]
         for index, (device, size) in enumerate(zip(self.parallel_devices, planned, strict=True)):
-            share = 100.0 * size / batch_size
+            share = 100.0 * size / batch_size if batch_size else 0.0
             lines.append(f"  device {index} ({device}): {size} samples ({share:.1f}%)" + ("" if size else ", left out"))
         rank_zero_info("\n".join(lines))
 
@@ -362,48 +407,76 @@ class BalancedDataParallel(_StrategyBase):
 class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
     """Single-process data parallel over several devices, each taking a chunk of the batch you choose.
 
-    Every step, the batch is split along dim 0 by a chunk plan (:func:`~lightning_balanced.parallel.plan_chunk_sizes`),
-    the LightningModule is replicated on each device that got samples, the step (``training_step``,
-    ``validation_step``, ``test_step`` or ``predict_step``) runs on all replicas at once, and the outputs are gathered
-    on the root device (``devices[0]``) in batch order. On CUDA these are torch's ``scatter``/``replicate``/
-    ``parallel_apply``/``gather``; on CPU the same plan runs over virtual devices (one thread per replica), so
-    ``Trainer(accelerator="cpu", devices=N, strategy="balanced_dp")`` behaves like N GPUs would.
+    Every step, the batch is split along dim 0 by a chunk plan (:func:`~lightning_balanced.parallel.plan_chunk_sizes`,
+    the one rule for all four loops), the LightningModule is replicated from the root device (``devices[0]``) to the
+    devices that got samples, the step (``training_step``, ``validation_step``, ``test_step`` or ``predict_step``)
+    runs on those replicas at once, and the outputs are gathered on the root device in batch order. On CUDA these are
+    torch's ``scatter``/``replicate``/``parallel_apply``/``gather``; on CPU the same code runs over virtual devices
+    ``cpu:0``, ``cpu:1``, ... (one thread per replica) that keep the rules of GPUs: replica ``i`` computes on
+    ``cpu:i`` (``self.device`` in its step), and combining tensors of two replicas without moving them raises as on
+    GPUs. So ``Trainer(accelerator="cpu", devices=N, strategy="balanced_dp")`` behaves like N GPUs would. A batch of 0
+    samples runs on the root device alone, as on one device.
 
-    The loss is exact: a 0-dim step output (the loss) from replica ``i`` is weighted by ``chunk_sizes[i] /
-    batch_size``, so with the usual per-chunk mean loss one step equals the single-device step on the whole batch.
-    ``self.log`` inside steps is recorded per replica and logged once per step from the main thread, as the
-    chunk-weighted mean (or the sum/max/min for those ``reduce_fx``). torchmetrics metrics are not replicated: all
-    replicas update the original metric. Manual optimization works: ``manual_backward`` runs once on the weighted sum of
-    the replicas' losses, ``optimizer.step()`` once per step.
+    Step outputs are combined so that they equal what one device returns for the whole batch:
+
+    ==================================================  =============================================================
+    what each replica's step returns                    what the step returns under balanced_dp
+    ==================================================  =============================================================
+    tensor with a batch dimension                       concatenated along dim 0, in batch order, on the root device
+    ``list`` with one item per sample of its chunk      concatenated in batch order (ids, per-image detections)
+    0-dim floating tensor (the loss, a mean)            mean weighted by chunk size: the batch mean (the sum with
+                                                        ``loss_reduction="sum"``)
+    0-dim integer tensor (a count)                      summed, same dtype
+    0-dim bool tensor                                   set when set on any replica (the sum in ``bool``)
+    ``dict``, ``tuple``, namedtuple, dataclass, a       combined item by item with these rules
+    ``list`` of other length or of batched tensors
+    anything else (``str``, numbers, ``None``)          kept once when equal on every replica, else the list of the
+                                                        replicas' values
+    ==================================================  =============================================================
+
+    So with the usual per-chunk mean loss, one step equals the single-device step on the whole batch. ``self.log``
+    inside steps is recorded per replica and logged once per step from the main thread, as the chunk-weighted mean
+    (or the sum/max/min for those ``reduce_fx``). torchmetrics metrics are not replicated: all replicas update the
+    original metric. Manual optimization works: ``manual_backward`` runs once on the weighted sum of the replicas'
+    losses, ``optimizer.step()`` once per step. A replica that fails surfaces its own exception (with a note naming the
+    replica and device), on CUDA too, where torch's ``parallel_apply`` would re-raise a copy.
 
     What data parallelism changes, as with ``torch.nn.DataParallel``:
 
-    * BatchNorm normalizes each chunk with that chunk's statistics, and only replica 0's running-statistics update
-      persists. A chunk of one sample cannot be batch-normalized in training: such a split raises a ``ValueError``
-      naming the setting to change. For cross-device BN statistics use DDP with SyncBatchNorm.
+    * BatchNorm, by default, normalizes each chunk with that chunk's statistics, and only replica 0's
+      running-statistics update persists (none when device 0 has no samples). A chunk of one sample cannot be
+      batch-normalized in training: such a split raises a ``ValueError`` naming the setting to change. With
+      ``sync_batchnorm=True`` (or ``Trainer(sync_batchnorm=True)``) every BatchNorm layer normalizes with the
+      statistics of the whole batch instead, so training equals the single-device run, chunks of one sample included.
     * Inside a step, replicas' ``self.parameters()`` is empty (parameters are broadcast views); use the modules
       themselves.
+    * Compiled modules (``torch.compile(module)`` or ``module.compile()`` anywhere in the LightningModule) are refused
+      at setup with a ``TypeError``: compiled code stays bound to the original module, so replicas would run the
+      original. Train without compiling, or compile under a single device or DDP.
     * ``world_size`` is 1 and there is no ``DistributedSampler``: the dataloader's ``batch_size`` is the whole batch
       that is split.
 
     Args:
-        gpu0_bsz: the most samples device 0 takes per batch; the rest is spread evenly over the other devices (the
+        gpu0_bsz: the most samples device 0 takes per batch, a budget: device 0 takes
+            ``min(gpu0_bsz, batch_size // num_devices)`` and the rest is spread evenly over the other devices (the
             classic ``BalancedDataParallel`` setting; device 0 also holds the gathered outputs). ``0`` leaves device 0
-            to gathering only. A shorter last batch keeps the cap. Must not exceed the batch size.
-        chunk_sizes: explicit samples per device, one entry per device, summing to the dataloader's batch size; a
-            batch of another size (the last one) is split in the same proportions.
+            to gathering only. A budget above the batch size (a short last batch, a larger validation batch) is not an
+            error. On one device it must hold the batch.
+        chunk_sizes: explicit samples per device, one entry per device, for a batch of ``sum(chunk_sizes)``; a batch
+            of another size (the last one, or another loop's) is split in the same proportions.
         weights: relative capacity per device (e.g. memory of mixed GPUs); each batch is split proportionally with
             largest-remainder rounding.
-        loss_reduction: how the step's scalar outputs combine across replicas: ``"mean"`` (the step returns the mean
-            over its chunk, the default) weights each by its chunk's share of the batch; ``"sum"`` (the step returns a
-            sum over its chunk) adds them.
+        loss_reduction: how the step's 0-dim floating outputs combine across replicas: ``"mean"`` (the step returns
+            the mean over its chunk, the default) weights each by its chunk's share of the batch; ``"sum"`` (the step
+            returns a sum over its chunk) adds them.
         accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``;
             normally filled in by the ``Trainer`` from ``accelerator=`` and ``devices=``.
 
     Raises:
-        ValueError: more than one of ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative or non-integer size;
-            weights that are not positive and finite; an unknown ``loss_reduction``. At setup: ``chunk_sizes`` or
-            ``weights`` whose length differs from the number of devices, or ``Trainer(sync_batchnorm=True)``.
+        ValueError: more than one of ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative size; weights that are not
+            positive and finite; an unknown ``loss_reduction``. At setup: ``chunk_sizes`` or ``weights`` whose length
+            differs from the number of devices.
+        TypeError: a non-integer size or non-real weight; at setup, a compiled module.
 
     Source: Lightning 1.9's ``DataParallelStrategy`` (removed in 2.0) and the ``BalancedDataParallel`` of
     transformer-xl, with the loss weighted by chunk size instead of an unweighted mean.

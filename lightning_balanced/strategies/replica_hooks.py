@@ -61,7 +61,8 @@ def _combine(values: Sequence[Any], sizes: Sequence[int], reduce_fx: object, dev
         return getattr(torch.stack(tensors), reduce)(0).values
     total = sum(sizes)
     stacked = torch.stack([t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors])
-    weights = torch.tensor([s / total for s in sizes], dtype=stacked.dtype, device=device)
+    shares = [s / total for s in sizes] if total else [1 / len(sizes)] * len(sizes)  # a batch of 0: one replica ran
+    weights = torch.tensor(shares, dtype=stacked.dtype, device=device)
     return (stacked * weights.view(-1, *([1] * (stacked.dim() - 1)))).sum(0)
 
 
@@ -109,13 +110,26 @@ class Rendezvous:
         self._result: Any = None
         self._error: BaseException | None = None
         self._aborted: tuple[int, BaseException] | None = None
+        self._failures: dict[int, BaseException] = {}
 
     def abort(self, index: int, error: BaseException) -> None:
         """Replica ``index`` failed with ``error``: release every replica waiting now or later."""
         with self._condition:
             if self._aborted is None:
                 self._aborted = (index, error)
+            self._failures.setdefault(index, error)
             self._condition.notify_all()
+
+    def failure(self, released: tuple[type[BaseException], ...] = ()) -> tuple[int, BaseException] | None:
+        """The lowest-index replica that failed on its own, and the exception object it raised (``None``: none failed).
+
+        Replicas released by another's failure (:class:`RendezvousAborted`, or one of ``released`` from other
+        rendezvous of the step) do not count. The object is the one the replica raised, traceback
+        included: torch's CUDA ``parallel_apply`` re-raises a copy built from the message, which loses it.
+        """
+        with self._condition:
+            own = [(i, e) for i, e in self._failures.items() if not isinstance(e, (RendezvousAborted, *released))]
+        return min(own, key=lambda failure: failure[0]) if own else None
 
     def _raise_if_aborted(self, index: int, what: str) -> None:
         if self._aborted is not None:
