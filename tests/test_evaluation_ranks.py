@@ -148,7 +148,7 @@ _MISMATCHES: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
         "structure",
         {"nested": {"x": torch.zeros(1)}},
         {"nested": (torch.zeros(1),)},
-        ["`nested`", "a dict {'x': a torch.float32 tensor of shape (N)} on rank 0", "a tuple (a torch.float32"],
+        ["`nested`", "a dict ('x': a torch.float32 tensor of shape (N)) on rank 0", "a tuple (a torch.float32"],
     ),
 ]
 
