@@ -205,21 +205,25 @@ class _Keep:
 
     def __init__(self, blocks: list[Tensor]) -> None:
         counts, world_size = [b.numel() for b in blocks], len(blocks)
-        indices, longest = torch.cat(blocks).cpu(), max(counts)
-        n = int(indices.max()) + 1
+        self.blocks, self.longest, self.rows = [b.cpu() for b in blocks], max(counts), None
+        n = max(int(b.max()) for b in self.blocks if b.numel()) + 1
         # DistributedSampler(shuffle=False)'s layout, Lightning's default for evaluation: rank r's j-th row is sample
-        # (j * W + r) % n. Then the first n rows of the ranks' interleave are the samples in order: no sort.
-        grid = torch.arange(longest * world_size)
-        self.interleave = set(counts) == {longest} and world_size * (longest - 1) < n
-        if self.interleave and torch.equal(indices.view(world_size, longest), grid.view(longest, -1).t() % n):
-            self.indices, self.rows = grid[:n], grid.view(world_size, longest).t().reshape(-1)[:n]
+        # (j * W + r) % n, where only the last row can wrap. Then the first n rows of the ranks' interleave are the
+        # samples in order: no sort, no table.
+        last = (self.longest - 1) * world_size
+        self.interleave = set(counts) == {self.longest} and last < n
+        self.interleave = self.interleave and all(
+            torch.equal(b[:-1], torch.arange(r, r + last, world_size)) and int(b[-1]) == (last + r) % n
+            for r, b in enumerate(self.blocks)
+        )
+        if self.interleave:
+            self.indices = torch.arange(n)
             return
-        self.interleave = False
-        order = torch.argsort(indices, stable=True)  # the copies of an index stay in rank order: one rank's adjacent
-        ranks = torch.repeat_interleave(torch.arange(world_size), torch.tensor(counts))[order]
-        ordered = indices[order]
+        ordered, order = torch.sort(torch.cat(self.blocks), stable=True)  # an index's copies stay in rank order
         first = torch.cat([torch.ones(1, dtype=torch.bool), ordered[1:] != ordered[:-1]])
-        repeats = sorted(set(ranks[1:][~first[1:] & (ranks[1:] == ranks[:-1])].tolist()))
+        ends = torch.tensor(counts).cumsum(0)  # a copy and the one before it: on the same rank means a repeat
+        rank_of = [torch.bucketize(order[i : order.numel() - 1 + i][~first[1:]], ends, right=True) for i in (0, 1)]
+        repeats = sorted(set(rank_of[1][rank_of[0] == rank_of[1]].tolist()))
         if repeats:
             raise ValueError(
                 "Cannot gather the evaluation outputs: "
@@ -231,10 +235,15 @@ class _Keep:
         if self.interleave:  # one copy in the interleaved order, then a view of its first n rows
             return torch.stack(blocks, dim=1).flatten(0, 1)[: self.indices.numel()]
         rows = torch.cat(blocks)
+        assert self.rows is not None  # set by the sort
         return rows.index_select(0, self.rows.to(rows.device))  # copies whole rows: 2-7x faster than rows[keep]
 
     def positions(self) -> list[int]:
-        return self.rows.tolist()  # rank-major positions: list fields are concatenated over ranks
+        """Rank-major positions of the kept rows: list fields are concatenated over ranks."""
+        if self.rows is None:  # the interleave: sample i is row i // W of rank i % W
+            grid = torch.arange(len(self.blocks) * self.longest).view(len(self.blocks), self.longest)
+            self.rows = grid.t().reshape(-1)[: self.indices.numel()]
+        return self.rows.tolist()
 
 
 _meetings: dict[tuple[int, ...], int] = {}  # per group: the meetings this process has been to
