@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_balanced
 from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.lr_scale_check import LRScaleFactorCheck, LRScaleFactorWarning
-from lightning_balanced.lr_scaling import warmup_multiplier
 from tests.distributed import run_distributed
 from tests.fake_distribution import write_distribution
 from tests.helpers import quiet_trainer
@@ -313,8 +312,11 @@ def _warmup_and_lr_find_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_warmup_rises_to_the_scaled_lr_and_lr_find_is_not_scaled_twice() -> None:
     result = run_distributed(_warmup_and_lr_find_rank, 2)[0]
-    for step, used in enumerate(result["warm"]):
-        multiplier = warmup_multiplier(step, 4, 2.0)
+    # factor 2 (world size 2), 4 warmup steps: the multiplier on the scaled LR goes 1/2 -> 1 in equal steps of 1/8
+    # (Goyal et al.'s gradual warmup), then stays 1.
+    multipliers = [0.5, 0.625, 0.75, 0.875, 1.0, 1.0]
+    assert len(result["warm"]) == len(multipliers)
+    for used, multiplier in zip(result["warm"], multipliers, strict=True):
         assert used == pytest.approx([2 * BASE_LR * multiplier, 2 * BASE_LR / 10 * multiplier], rel=1e-12)
     assert result["warm"][0] == pytest.approx([BASE_LR, BASE_LR / 10])  # warmup starts at the unscaled base
     assert result["warm_after"] == pytest.approx([2 * BASE_LR, 2 * BASE_LR / 10])  # the schedule's own value kept
