@@ -6,7 +6,9 @@ without GPUs, ``accelerator: cpu, devices: 2`` runs the same split over two CPU 
 
     python examples/digits.py fit --config examples/configs/digits_balanced_dp.yaml
 
-Any setting can be overridden on the command line, e.g. ``--trainer.max_epochs=3`` or
+which is the same as ``lightning-balanced fit --config ...`` (run from the repository root, where the configs name the
+classes here as ``examples.digits.*``); ``examples/configs/digits_ddp_lr_sqrt.yaml`` runs the same job under LR-scaled
+DDP. Any setting can be overridden on the command line, e.g. ``--trainer.max_epochs=3`` or
 ``--trainer.strategy.init_args.gpu0_bsz=24``; ``--print_config`` shows them all.
 """
 
@@ -19,14 +21,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.cli import LightningCLI
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-import lightning_balanced  # noqa: F401  (registers strategy="balanced_dp")
+from lightning_balanced.cli import LightningBalancedCLI
 
 NUM_CLASSES = 10
 
@@ -100,6 +101,7 @@ class DigitsClassifier(pl.LightningModule):
         )
         # Accumulates over the whole validation set and is computed once per epoch (micro average = plain accuracy).
         self.val_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
+        self._fit_started = 0.0
 
     def forward(self, x: Tensor) -> Tensor:
         """Class logits of shape ``(N, 10)`` for images of shape ``(N, 1, 8, 8)``."""
@@ -120,6 +122,22 @@ class DigitsClassifier(pl.LightningModule):
         self.val_acc.update(logits, y)
         self.log("val_acc", self.val_acc, prog_bar=True)
 
+    def on_fit_start(self) -> None:
+        """Start the clock."""
+        self._fit_started = time.perf_counter()
+
+    def on_fit_end(self) -> None:
+        """Print ``final: val_acc=... val_loss=... epochs=... wall_s=...`` on rank 0."""
+        wall_s = time.perf_counter() - self._fit_started
+        if self.trainer.is_global_zero:
+            metrics = self.trainer.callback_metrics
+            val_acc, val_loss = (float(metrics.get(name, math.nan)) for name in ("val_acc", "val_loss"))
+            print(
+                f"final: val_acc={val_acc:.4f} val_loss={val_loss:.4f} epochs={self.trainer.current_epoch}"
+                f" wall_s={wall_s:.1f}",
+                flush=True,
+            )
+
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW, its learning rate annealed to zero over the run (cosine, per step) so the last epochs are stable."""
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
@@ -127,27 +145,10 @@ class DigitsClassifier(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class DigitsCLI(LightningCLI):
-    """``LightningCLI`` that times ``fit`` and prints the final validation metrics on one line."""
-
-    def before_fit(self) -> None:
-        """Start the clock."""
-        self._fit_start = time.perf_counter()
-
-    def after_fit(self) -> None:
-        """Print ``final: val_acc=... val_loss=... epochs=... wall_s=...``."""
-        wall_s = time.perf_counter() - self._fit_start
-        metrics = self.trainer.callback_metrics
-        val_acc, val_loss = (float(metrics.get(name, math.nan)) for name in ("val_acc", "val_loss"))
-        print(
-            f"final: val_acc={val_acc:.4f} val_loss={val_loss:.4f} epochs={self.trainer.current_epoch}"
-            f" wall_s={wall_s:.1f}"
-        )
-
-
-def main(args: list[str] | None = None) -> DigitsCLI:
-    """Run the command line (``args`` instead of ``sys.argv[1:]`` when given) and return the CLI object."""
-    return DigitsCLI(DigitsClassifier, DigitsDataModule, seed_everything_default=42, args=args)
+def main(args: list[str] | None = None) -> LightningBalancedCLI:
+    """``python examples/digits.py fit --config ...``: the same as ``lightning-balanced`` (``args`` instead of
+    ``sys.argv[1:]`` when given); returns the CLI object."""
+    return LightningBalancedCLI(seed_everything_default=42, args=args)
 
 
 if __name__ == "__main__":

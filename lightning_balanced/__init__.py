@@ -6,6 +6,7 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 
 from lightning_balanced.detection import coco_map, postprocess_detections
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
+from lightning_balanced.lr_scaling import unscale_learning_rates
 from lightning_balanced.parallel import plan_chunk_sizes
 from lightning_balanced.strategies import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.strategies.registration import register_strategies
@@ -26,4 +27,5 @@ __all__ = [
     "plan_chunk_sizes",
     "postprocess_detections",
     "register_strategies",
+    "unscale_learning_rates",
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "effective_batch_size",
     "lr_scale_factor",
     "rescale_learning_rates",
+    "unscale_learning_rates",
     "warmup_multiplier",
 ]
 
@@ -114,11 +115,15 @@ def _walk_schedulers(schedulers: Iterable[Any]) -> Iterator[Any]:
 
 
 def _scale(value: Any, ratio: float) -> Any:
-    if isinstance(value, Tensor):
-        return value.mul_(ratio)
+    """A new object holding ``value * ratio``; ``value`` itself is never modified.
+
+    torch gives every param group the same default-LR tensor (``SGD(groups, lr=torch.tensor(0.1))``) and a group's
+    ``initial_lr`` or a scheduler's ``base_lrs`` may hold that same object: multiplying in place would scale a shared
+    tensor once per place that holds it. Writing a new object into each place scales each learning rate exactly once.
+    """
     if isinstance(value, (list, tuple)):
         return type(value)(_scale(v, ratio) for v in value)
-    return value * ratio
+    return value * ratio  # a float, or a new tensor of the same dtype and device
 
 
 # Learning rates held in a param group (OneCycleLR keeps its range there) and in schedulers (absolute floors and
@@ -151,6 +156,10 @@ def rescale_learning_rates(optimizer: Optimizer, schedulers: Iterable[Any], fact
     ``ChainedScheduler``. Calling it again with the same factor changes nothing; after a resume on another world size it
     rescales by new/old.
 
+    Each value is written back as a new object (float, or a new tensor of the same dtype and device), never multiplied
+    in place, so a learning-rate tensor shared by several param groups, or by a group and a scheduler, is scaled once
+    per place that holds it and the caller's tensor keeps its value.
+
     Args:
         optimizer (Optimizer): the optimizer whose learning rates are the base ones (or already scaled by the stored
             factor).
@@ -180,3 +189,35 @@ def rescale_learning_rates(optimizer: Optimizer, schedulers: Iterable[Any], fact
     for group in optimizer.param_groups:
         group[LR_SCALE_FACTOR_KEY] = factor
     return ratio
+
+
+def unscale_learning_rates(optimizer: Optimizer, schedulers: Iterable[Any] = ()) -> float:
+    """Undo the LR-scaling factor stored in ``optimizer``'s param groups: back to the base learning rates.
+
+    Use it after resuming, under a strategy that does not manage the factor (single device, ``balanced_dp``, plain
+    ``ddp``), a checkpoint written by ``LRScaledDDPStrategy``: its param groups carry ``"lr_scale_factor"`` and their
+    learning rates are that factor times the base ones. Call it once the optimizer state is restored, e.g. in the
+    LightningModule's ``on_train_start``::
+
+        def on_train_start(self):
+            schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+            for optimizer in self.trainer.optimizers:
+                lightning_balanced.unscale_learning_rates(optimizer, schedulers)
+
+    Args:
+        optimizer (Optimizer): an optimizer whose state was restored from such a checkpoint.
+        schedulers (Iterable): learning-rate schedulers; those attached to another optimizer (``scheduler.optimizer is
+            not optimizer``) are left alone, so all of a trainer's schedulers can be passed.
+
+    Returns:
+        float: the factor that was removed (1.0 when there was none; then nothing is touched).
+
+    Raises:
+        ValueError: the param groups disagree on the stored factor.
+    """
+    applied = applied_lr_scale_factor(optimizer)
+    if applied == 1.0:
+        return applied
+    attached = [s for s in schedulers if getattr(s, "optimizer", None) is optimizer]
+    rescale_learning_rates(optimizer, attached, 1.0)
+    return applied

@@ -19,9 +19,10 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_balanced
-from lightning_balanced import LRScaledDDPStrategy
-from lightning_balanced.lr_scaling import warmup_multiplier
+from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
+from lightning_balanced.lr_scale_check import LRScaleFactorCheck, LRScaleFactorWarning
 from tests.distributed import run_distributed
+from tests.fake_distribution import write_distribution
 from tests.helpers import quiet_trainer
 
 # float64 models: the only difference between 2 ranks and one process on the concatenated batch is the summation
@@ -206,8 +207,17 @@ def _resume_single_rank(rank: int, world_size: int, checkpoint_dir: str) -> list
     return resumed.lrs_used
 
 
-def test_resume_equals_uninterrupted_and_rescales_on_another_world_size(tmp_path: Path) -> None:
-    results = run_distributed(_resume_rank, 2, str(tmp_path))
+@pytest.fixture(scope="module")
+def two_rank_resume(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    """The results of ``_resume_rank`` on 2 ranks, and the checkpoint they wrote after one epoch (factor 2)."""
+    checkpoint_dir = tmp_path_factory.mktemp("two_ranks")
+    return run_distributed(_resume_rank, 2, str(checkpoint_dir)), checkpoint_dir / "two_ranks.ckpt"
+
+
+def test_resume_equals_uninterrupted_and_rescales_on_another_world_size(
+    two_rank_resume: tuple[list[dict[str, Any]], Path],
+) -> None:
+    results, checkpoint = two_rank_resume
     for result in results:
         state, lrs = result["uninterrupted"]
         resumed_state, resumed_lrs = result["resumed"]
@@ -216,11 +226,64 @@ def test_resume_equals_uninterrupted_and_rescales_on_another_world_size(tmp_path
             torch.testing.assert_close(resumed_state[name], value, rtol=0, atol=0, msg=name)
 
     # the same checkpoint resumed by a single process: factor 2 -> 1, so every learning rate halves
-    single = run_distributed(_resume_single_rank, 1, str(tmp_path))[0]
+    single = run_distributed(_resume_single_rank, 1, str(checkpoint.parent))[0]
     two_ranks_lrs = results[0]["uninterrupted"][1]
     assert len(single) == 2
     for got, two_ranks in zip(single, two_ranks_lrs[4:6], strict=True):
         assert got == pytest.approx([lr / 2 for lr in two_ranks], rel=1e-12)
+
+
+class UnscaledOnResume(Net):
+    """Takes the advice of the warning: back to the base learning rates once the optimizer state is restored."""
+
+    def on_train_start(self) -> None:
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        for optimizer in self.trainer.optimizers:
+            lightning_balanced.unscale_learning_rates(optimizer, schedulers)
+
+
+@pytest.fixture
+def installed_callbacks_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This package's ``lightning.pytorch.callbacks_factory`` entry point, as pyproject.toml declares it.
+
+    The test environment may hold an older install of the package; a distribution of the same name earlier on
+    ``sys.path`` shadows it, so Lightning sees exactly this entry point.
+    """
+    group = {
+        "lightning.pytorch.callbacks_factory": {"lightning_balanced": "lightning_balanced.lr_scale_check:callbacks"}
+    }
+    monkeypatch.syspath_prepend(str(write_distribution(tmp_path / "site", "lightning_balanced", group)))
+
+
+# Resumed in this process at 4 samples per step (balanced_dp splits them [2, 2]) up to step 6: steps 4 and 5 run.
+# Unmanaged, they use the checkpoint's learning rates, 2x the base schedule; after unscaling, the base schedule itself,
+# computed by a single process without any scaling (_unscaled_lrs_used). 1e-12: the same float operations in the same
+# order, up to the factor's exact power-of-two multiplication.
+@pytest.mark.parametrize("strategy", ["single_device", "balanced_dp"])
+@pytest.mark.usefixtures("installed_callbacks_factory")
+def test_resume_under_a_strategy_that_ignores_the_factor_warns_once_and_can_be_undone(
+    strategy: str, two_rank_resume: tuple[list[dict[str, Any]], Path]
+) -> None:
+    _, checkpoint = two_rank_resume
+    base = _unscaled_lrs_used("onecycle", steps=6)[4:6]
+    for model, expected in (
+        (Net("onecycle"), [[2 * lr for lr in lrs] for lrs in base]),
+        (UnscaledOnResume("onecycle"), base),
+    ):
+        trainer = quiet_trainer(
+            BalancedDataParallelStrategy() if strategy == "balanced_dp" else "auto",
+            2 if strategy == "balanced_dp" else 1,
+            max_steps=6,
+        )
+        assert any(isinstance(callback, LRScaleFactorCheck) for callback in trainer.callbacks)  # Lightning added it
+        with pytest.warns(LRScaleFactorWarning) as warned:
+            trainer.fit(model, DataLoader(_data(16), batch_size=4), ckpt_path=checkpoint)
+        messages = [str(w.message) for w in warned if issubclass(w.category, LRScaleFactorWarning)]
+        assert len(messages) == 1
+        assert "optimizer 0: 2" in messages[0] and "unscale_learning_rates" in messages[0]
+        assert len(model.lrs_used) == 2
+        for got, want in zip(model.lrs_used, expected, strict=True):
+            assert got == pytest.approx(want, rel=1e-12)
 
 
 # ---- warmup and lr_find
@@ -249,8 +312,11 @@ def _warmup_and_lr_find_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 def test_warmup_rises_to_the_scaled_lr_and_lr_find_is_not_scaled_twice() -> None:
     result = run_distributed(_warmup_and_lr_find_rank, 2)[0]
-    for step, used in enumerate(result["warm"]):
-        multiplier = warmup_multiplier(step, 4, 2.0)
+    # factor 2 (world size 2), 4 warmup steps: the multiplier on the scaled LR goes 1/2 -> 1 in equal steps of 1/8
+    # (Goyal et al.'s gradual warmup), then stays 1.
+    multipliers = [0.5, 0.625, 0.75, 0.875, 1.0, 1.0]
+    assert len(result["warm"]) == len(multipliers)
+    for used, multiplier in zip(result["warm"], multipliers, strict=True):
         assert used == pytest.approx([2 * BASE_LR * multiplier, 2 * BASE_LR / 10 * multiplier], rel=1e-12)
     assert result["warm"][0] == pytest.approx([BASE_LR, BASE_LR / 10])  # warmup starts at the unscaled base
     assert result["warm_after"] == pytest.approx([2 * BASE_LR, 2 * BASE_LR / 10])  # the schedule's own value kept

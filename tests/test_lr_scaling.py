@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 from torch.optim import SGD, AdamW, Optimizer
 from torch.optim import lr_scheduler as sched
 
+from lightning_balanced.lr_scale_check import stored_lr_scale_factors
 from lightning_balanced.lr_scaling import (
     LR_SCALE_FACTOR_KEY,
     applied_lr_scale_factor,
     effective_batch_size,
     lr_scale_factor,
     rescale_learning_rates,
+    unscale_learning_rates,
     warmup_multiplier,
 )
 
@@ -107,6 +109,74 @@ def test_resume_on_another_world_size_rescales_by_new_over_old() -> None:
     resumed = _trajectory(resumed_opt, resumed_sched, steps=5)
     for got, expected in zip(resumed, reference[3:], strict=True):
         assert got == pytest.approx([2.0 * lr for lr in expected], **CLOSE)
+
+
+def _two_group_sgd(lr_kind: str) -> tuple[Optimizer, list[torch.nn.Parameter], list[float]]:
+    """SGD over two param groups whose learning rates are floats, one tensor shared by both, or a tensor per group."""
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    if lr_kind == "float":
+        return SGD([{"params": [a]}, {"params": [b], "lr": 0.01}], lr=0.1), [a, b], [0.1, 0.01]
+    if lr_kind == "tensor shared by the groups":  # torch gives every group the same default-LR object
+        return SGD([{"params": [a]}, {"params": [b]}], lr=torch.tensor(0.1)), [a, b], [0.1, 0.1]
+    assert lr_kind == "tensor per group"
+    groups = [{"params": [a], "lr": torch.tensor(0.1)}, {"params": [b], "lr": torch.tensor(0.01)}]
+    return SGD(groups, lr=0.5), [a, b], [0.1, 0.01]
+
+
+# float32 tensors hold 0.1 and 0.01 to ~6e-8 relative; 1e-6 allows that, and a double scaling is off by 100%.
+@pytest.mark.parametrize("lr_kind", ["float", "tensor shared by the groups", "tensor per group"])
+def test_each_learning_rate_is_scaled_exactly_once_whatever_its_type(lr_kind: str) -> None:
+    optimizer, params, base = _two_group_sgd(lr_kind)
+    given = [group["lr"] for group in optimizer.param_groups]  # the caller's objects
+    scheduler = sched.StepLR(optimizer, step_size=1, gamma=0.5)  # holds them again in initial_lr and base_lrs
+    assert rescale_learning_rates(optimizer, [scheduler], 2.0) == 2.0
+
+    scaled = [2 * lr for lr in base]
+    assert [float(g["lr"]) for g in optimizer.param_groups] == pytest.approx(scaled, rel=1e-6)
+    assert [float(g["initial_lr"]) for g in optimizer.param_groups] == pytest.approx(scaled, rel=1e-6)
+    assert [float(lr) for lr in scheduler.base_lrs] == pytest.approx(scaled, rel=1e-6)
+    assert [float(lr) for lr in given] == pytest.approx(base, rel=1e-6)  # nothing was multiplied in place
+    if lr_kind != "float":
+        assert all(isinstance(g["lr"], torch.Tensor) for g in optimizer.param_groups)  # the type is kept
+
+    # SGD without momentum moves each parameter by -lr * grad: the step uses the scaled rate, once.
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert [p[0].item() for p in params] == pytest.approx([-lr for lr in scaled], rel=1e-6)
+    scheduler.step()  # StepLR halves from the scaled rate, not from the caller's
+    assert [float(g["lr"]) for g in optimizer.param_groups] == pytest.approx([lr / 2 for lr in scaled], rel=1e-6)
+
+
+def test_unscaling_restores_the_base_learning_rates_of_a_restored_state() -> None:
+    # A state written under factor 4 (e.g. an LR-scaled DDP run on 4 processes), restored where nothing manages it.
+    saved = _optimizer()
+    saved_scheduler = SCHEDULERS["StepLR"](saved)
+    rescale_learning_rates(saved, [saved_scheduler], 4.0)
+    restored = _optimizer()
+    restored_scheduler = SCHEDULERS["StepLR"](restored)
+    other = _optimizer()
+    other_scheduler = SCHEDULERS["StepLR"](other)  # attached to another optimizer: must be left alone
+    restored.load_state_dict(saved.state_dict())
+    restored_scheduler.load_state_dict(saved_scheduler.state_dict())
+    assert [g["lr"] for g in restored.param_groups] == pytest.approx([0.4, 0.04], **CLOSE)
+
+    assert unscale_learning_rates(restored, [restored_scheduler, other_scheduler]) == 4.0
+    assert [g["lr"] for g in restored.param_groups] == pytest.approx([0.1, 0.01], **CLOSE)
+    assert restored_scheduler.base_lrs == pytest.approx([0.1, 0.01], **CLOSE)
+    assert other_scheduler.base_lrs == pytest.approx([0.1, 0.01], **CLOSE)
+    assert applied_lr_scale_factor(restored) == 1.0
+    assert unscale_learning_rates(restored, [restored_scheduler]) == 1.0  # a second call changes nothing
+    assert [g["lr"] for g in restored.param_groups] == pytest.approx([0.1, 0.01], **CLOSE)
+
+
+def test_stored_factors_are_read_from_a_checkpoints_optimizer_states() -> None:
+    scaled, unscaled, plain = _optimizer(), _optimizer(), _optimizer()
+    rescale_learning_rates(scaled, [], 1.5)
+    rescale_learning_rates(unscaled, [], 1.0)
+    checkpoint = {"optimizer_states": [plain.state_dict(), scaled.state_dict(), unscaled.state_dict()]}
+    assert stored_lr_scale_factors(checkpoint) == {1: 1.5}
+    assert stored_lr_scale_factors({"state_dict": {}}) == {}  # a weights-only checkpoint
 
 
 def test_groups_that_disagree_on_the_stored_factor_raise() -> None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn import Module
@@ -82,52 +83,24 @@ def _train_batch_size(trainer: pl.Trainer) -> int | None:
     return None
 
 
-def _is_lr_find_run(trainer: pl.Trainer) -> bool:
-    from lightning.pytorch.tuner.lr_finder import _LRCallback
+if TYPE_CHECKING:
+    _StrategyBase = DDPStrategy
+else:
+    _StrategyBase = object
 
-    return any(isinstance(callback, _LRCallback) for callback in trainer.callbacks)  # type: ignore[attr-defined]
 
+class LRScaledDDP(_StrategyBase):
+    """The implementation of :class:`LRScaledDDPStrategy`, free of a Lightning base class.
 
-class LRScaledDDPStrategy(DDPStrategy):
-    """DDP that multiplies the learning rate by a factor of the effective batch size, with SyncBatchNorm by default.
-
-    The effective batch size is ``per-device batch x world_size (all nodes) x accumulate_grad_batches``. With
-    ``reference_batch_size=None`` the base learning rate counts as tuned on one device without accumulation, so the
-    factor is ``world_size x accumulate_grad_batches`` (linear) or its square root (sqrt); with a
-    ``reference_batch_size`` it is ``effective / reference`` or its square root.
-
-    The factor is applied once, at the start of fit, after the dataloader exists and after a checkpoint was restored:
-    multiplicatively to every param group (groups keep their ratios), ``initial_lr``, OneCycleLR's ``max_lr``/
-    ``min_lr``, and every scheduler's ``base_lrs`` and absolute floors (``eta_min``, ``min_lrs``), so the whole
-    schedule is ``factor`` times the unscaled one. The applied factor is stored in each param group
-    (``"lr_scale_factor"``), hence in every checkpoint: resuming on the same world size changes nothing, resuming on
-    another rescales by new/old, and nothing is scaled twice. A learning rate suggested by ``Tuner.lr_find`` under this
-    strategy was found at the effective batch and is not scaled again. Steps cost nothing extra (scaling happens at
-    setup), except during warmup.
-
-    SyncBatchNorm is on by default (``sync_batchnorm=True``): torch's ``nn.SyncBatchNorm`` on CUDA, our
-    :class:`~lightning_balanced.SyncBatchNorm` on CPU/gloo, applied at fit setup and reverted at teardown to the
-    user's original BatchNorm classes.
-
-    Args:
-        lr_scaling: ``"linear"`` (Goyal et al. 2017, SGD), ``"sqrt"`` (Krizhevsky 2014, Hoffer et al. 2017; Malladi et
-            al. 2022 for Adam-like optimizers) or ``"none"``.
-        reference_batch_size: the effective batch size the base learning rate was tuned for; ``None`` = the
-            dataloader's batch size on one device without accumulation.
-        warmup_steps: optimizer steps of gradual warmup (Goyal et al. 2017): the learning rate used by the optimizer
-            rises linearly from the unscaled base to the scaled value, then the schedule runs as configured. The
-            learning rates a scheduler or ``LearningRateMonitor`` reports are the scaled, un-warmed ones.
-        sync_batchnorm: convert BatchNorm layers to synchronized BatchNorm while fitting.
-        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``start_method``,
-            ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
-
-    Raises:
-        ValueError: unknown ``lr_scaling``, ``reference_batch_size < 1``, ``warmup_steps < 0``; at fit start, a
-            ``reference_batch_size`` when the dataloader's batch size cannot be read.
-        TypeError: ``reference_batch_size`` or ``warmup_steps`` not an integer.
+    Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`LRScaledDDPStrategy`; combined with the
+    standalone ``pytorch_lightning`` package's, it is
+    :class:`lightning_balanced.strategies.standalone.LRScaledDDPStrategy`. The two differ only in
+    ``_lightning_package``, the package whose Lightning classes it recognizes.
     """
 
     strategy_name = "ddp_lr"
+    #: The Lightning package of the base class: where ``TorchSyncBatchNorm`` and the LR finder's callback come from.
+    _lightning_package: ClassVar[str] = "lightning.pytorch"
 
     def __init__(
         self,
@@ -157,7 +130,9 @@ class LRScaledDDPStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         # The accelerator connector overwrites `_layer_sync` after __init__, so the default is applied here. torch's
         # SyncBatchNorm (what `Trainer(sync_batchnorm=True)` puts there) refuses CPU: replace it by ours.
-        if self.sync_batchnorm and (self._layer_sync is None or isinstance(self._layer_sync, TorchSyncBatchNorm)):
+        layer_sync = importlib.import_module(f"{self._lightning_package}.plugins.layer_sync")
+        torch_sync_batchnorm = layer_sync.TorchSyncBatchNorm
+        if self.sync_batchnorm and (self._layer_sync is None or isinstance(self._layer_sync, torch_sync_batchnorm)):
             self._layer_sync = DeviceSyncBatchNorm(lambda: self.root_device.type)
         super().setup(trainer)
 
@@ -191,7 +166,7 @@ class LRScaledDDPStrategy(DDPStrategy):
         assert module is not None
         trainer = module.trainer
         factor, why = self.scale_factor(trainer)
-        if _is_lr_find_run(trainer):
+        if self._is_lr_find_run(trainer):
             # The finder sweeps absolute learning rates at this effective batch: leave them alone, and remember that
             # what it suggests is already right for this factor.
             setattr(module, _LR_FOUND_AT_FACTOR, factor)
@@ -212,6 +187,10 @@ class LRScaledDDPStrategy(DDPStrategy):
                 + ("" if ratio == factor else f" (rescaled by {ratio:.6g} from a stored factor)")
             )
         self.lr_scale_factor = factor
+
+    def _is_lr_find_run(self, trainer: pl.Trainer) -> bool:
+        lr_callback = importlib.import_module(f"{self._lightning_package}.tuner.lr_finder")._LRCallback
+        return any(isinstance(callback, lr_callback) for callback in trainer.callbacks)  # type: ignore[attr-defined]
 
     @override
     def optimizer_step(
@@ -255,3 +234,43 @@ class LRScaledDDPStrategy(DDPStrategy):
                         lr_scaling=policy,
                         start_method=start_method,
                     )
+
+
+class LRScaledDDPStrategy(LRScaledDDP, DDPStrategy):
+    """DDP that multiplies the learning rate by a factor of the effective batch size, with SyncBatchNorm by default.
+
+    The effective batch size is ``per-device batch x world_size (all nodes) x accumulate_grad_batches``. With
+    ``reference_batch_size=None`` the base learning rate counts as tuned on one device without accumulation, so the
+    factor is ``world_size x accumulate_grad_batches`` (linear) or its square root (sqrt); with a
+    ``reference_batch_size`` it is ``effective / reference`` or its square root.
+
+    The factor is applied once, at the start of fit, after the dataloader exists and after a checkpoint was restored:
+    multiplicatively to every param group (groups keep their ratios), ``initial_lr``, OneCycleLR's ``max_lr``/
+    ``min_lr``, and every scheduler's ``base_lrs`` and absolute floors (``eta_min``, ``min_lrs``), so the whole
+    schedule is ``factor`` times the unscaled one. The applied factor is stored in each param group
+    (``"lr_scale_factor"``), hence in every checkpoint: resuming on the same world size changes nothing, resuming on
+    another rescales by new/old, and nothing is scaled twice. A learning rate suggested by ``Tuner.lr_find`` under this
+    strategy was found at the effective batch and is not scaled again. Steps cost nothing extra (scaling happens at
+    setup), except during warmup.
+
+    SyncBatchNorm is on by default (``sync_batchnorm=True``): torch's ``nn.SyncBatchNorm`` on CUDA, our
+    :class:`~lightning_balanced.SyncBatchNorm` on CPU/gloo, applied at fit setup and reverted at teardown to the
+    user's original BatchNorm classes.
+
+    Args:
+        lr_scaling: ``"linear"`` (Goyal et al. 2017, SGD), ``"sqrt"`` (Krizhevsky 2014, Hoffer et al. 2017; Malladi et
+            al. 2022 for Adam-like optimizers) or ``"none"``.
+        reference_batch_size: the effective batch size the base learning rate was tuned for; ``None`` = the
+            dataloader's batch size on one device without accumulation.
+        warmup_steps: optimizer steps of gradual warmup (Goyal et al. 2017): the learning rate used by the optimizer
+            rises linearly from the unscaled base to the scaled value, then the schedule runs as configured. The
+            learning rates a scheduler or ``LearningRateMonitor`` reports are the scaled, un-warmed ones.
+        sync_batchnorm: convert BatchNorm layers to synchronized BatchNorm while fitting.
+        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``start_method``,
+            ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
+
+    Raises:
+        ValueError: unknown ``lr_scaling``, ``reference_batch_size < 1``, ``warmup_steps < 0``; at fit start, a
+            ``reference_batch_size`` when the dataloader's batch size cannot be read.
+        TypeError: ``reference_batch_size`` or ``warmup_steps`` not an integer.
+    """

@@ -1,84 +1,101 @@
 """Put this package's strategies in Lightning's ``StrategyRegistry`` so ``Trainer(strategy="<name>")`` finds them.
 
-Lightning fills its registry only from its own modules; external strategies must register themselves. Other packages
-can join through the entry-point group ``lightning_balanced.strategies``: each entry names a ``Strategy`` subclass
-whose ``register_strategies(registry)`` classmethod is called when ``lightning_balanced`` is imported. The unified
-``lightning`` package (``lightning.pytorch``) and the standalone ``pytorch_lightning`` package keep separate registries
-and separate base classes: each gets a class built on its own ``ParallelStrategy``. Registering is idempotent.
+Lightning fills its registry only from its own modules; other packages' strategies must register themselves, through
+the ``register_strategies(registry)`` classmethod of each ``Strategy`` class. ``import lightning_balanced`` calls
+:func:`register_strategies` once. The unified ``lightning`` package (``lightning.pytorch``) and the standalone
+``pytorch_lightning`` package keep separate registries and separate base classes: the second gets the classes of
+:mod:`lightning_balanced.strategies.standalone`. Third-party strategies join through the
+``lightning.pytorch.strategies`` entry-point group: see :mod:`lightning_balanced.plugins`.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import importlib.util
-import logging
 from typing import Any
 
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_balanced.strategies.balanced_dp import BalancedDataParallel, BalancedDataParallelStrategy
+from lightning_balanced.strategies.balanced_dp import BalancedDataParallelStrategy
 from lightning_balanced.strategies.ddp import LRScaledDDPStrategy
 
-__all__ = ["ENTRY_POINT_GROUP", "register_strategies", "standalone_strategy"]
+__all__ = ["STRATEGIES", "StrategyNameConflict", "register_strategies", "register_strategy"]
 
-ENTRY_POINT_GROUP = "lightning_balanced.strategies"
-
-log = logging.getLogger(__name__)
-
-# (base-free implementation or None, the class built on lightning.pytorch's base). Only strategies with a base-free
-# implementation get a standalone `pytorch_lightning` variant.
-_STRATEGIES: tuple[tuple[type | None, type], ...] = (
-    (BalancedDataParallel, BalancedDataParallelStrategy),
-    (None, LRScaledDDPStrategy),
+#: The package's strategies, as ``lightning.pytorch`` classes. A new strategy is one more entry here (and the same
+#: class under ``[project.entry-points."lightning.pytorch.strategies"]`` in pyproject.toml; a test checks both agree).
+STRATEGIES: tuple[type, ...] = (
+    BalancedDataParallelStrategy,
+    LRScaledDDPStrategy,
 )
 
 
-@functools.cache
-def standalone_strategy(strategy: type) -> type:
-    """The variant of one of our strategy classes for the standalone ``pytorch_lightning`` package.
+class StrategyNameConflict(ValueError):
+    """A strategy registers a name that the registry already holds for something else."""
+
+
+def _same_entry(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["strategy"] is b["strategy"] and a["init_params"] == b["init_params"]
+
+
+def register_strategy(strategy: Any, registry: _StrategyRegistry) -> list[str]:
+    """Register the names of one ``Strategy`` class in ``registry``, idempotently.
+
+    ``strategy.register_strategies`` runs on an empty registry of the same type first; then each name it registered is
+    copied into ``registry``. A name already there with the same class and arguments is skipped, so calling this
+    again, or for a class whose ``register_strategies`` does not guard against double registration, adds nothing.
 
     Args:
-        strategy (type): a class exported by this package, e.g. ``BalancedDataParallelStrategy``.
+        strategy (type): a ``Strategy`` class with the ``register_strategies(registry)`` classmethod.
+        registry (_StrategyRegistry): ``lightning.pytorch``'s or ``pytorch_lightning``'s ``StrategyRegistry``.
 
     Returns:
-        type: the same implementation on ``pytorch_lightning.strategies.ParallelStrategy``; pass an instance to a
-        ``pytorch_lightning.Trainer``.
+        list[str]: the names added to ``registry`` by this call.
 
     Raises:
-        ModuleNotFoundError: ``pytorch_lightning`` is not installed.
-        ValueError: ``strategy`` is not one of this package's strategies.
+        TypeError: ``strategy`` has no ``register_strategies`` classmethod.
+        StrategyNameConflict: a name is already registered for another class or other arguments (the names that do
+            not conflict are registered all the same).
     """
-    import pytorch_lightning.strategies as standalone
+    register = getattr(strategy, "register_strategies", None)
+    if not isinstance(strategy, type) or not callable(register):
+        raise TypeError(
+            f"`strategy` must be a Strategy class with a `register_strategies` classmethod, got {strategy!r}"
+        )
+    scratch = type(registry)()
+    register(scratch)
+    added, conflicts = [], []
+    for name, entry in scratch.items():
+        if name in registry:
+            if not _same_entry(registry[name], entry):
+                conflicts.append(f"{name!r} (held by {registry[name]['strategy'].__qualname__})")
+            continue
+        registry.register(name, entry["strategy"], description=entry["description"], **entry["init_params"])
+        added.append(name)
+    if conflicts:
+        raise StrategyNameConflict(
+            f"{strategy.__qualname__} registers names already taken: {', '.join(conflicts)}; they were left as they are"
+        )
+    return added
 
-    for implementation, public in _STRATEGIES:
-        if public is strategy and implementation is not None:
-            namespace: dict[str, Any] = {"__doc__": public.__doc__, "__module__": __name__}
-            return type(public.__name__, (implementation, standalone.ParallelStrategy), namespace)
-    names = [public.__name__ for implementation, public in _STRATEGIES if implementation is not None]
-    raise ValueError(f"`strategy` must be one of {names}, got {strategy!r}")
+
+def _registries() -> list[tuple[Any, tuple[type, ...]]]:
+    registries: list[tuple[Any, tuple[type, ...]]] = [(StrategyRegistry, STRATEGIES)]
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
+
+        from lightning_balanced.strategies import standalone
+
+        registries.append((StandaloneRegistry, standalone.STRATEGIES))
+    return registries
 
 
 def register_strategies() -> list[str]:
-    """Register every strategy of the package, and of the plugins in ``ENTRY_POINT_GROUP``, in each Lightning registry.
+    """Register every strategy of the package in each installed Lightning registry; idempotent.
 
     Returns:
         list[str]: the names of this package's strategies now in ``lightning.pytorch``'s registry.
     """
-    for _, public in _STRATEGIES:
-        public.register_strategies(StrategyRegistry)  # type: ignore[attr-defined]
-    ours = {public for _, public in _STRATEGIES}
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            plugin = entry_point.load()
-            if plugin not in ours:
-                plugin.register_strategies(StrategyRegistry)
-        except Exception as err:  # a broken plugin must not break `import lightning_balanced`
-            log.warning("Strategy plugin %r (%s) could not be registered: %r", entry_point.name, entry_point.value, err)
-    if importlib.util.find_spec("pytorch_lightning") is not None:
-        from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
-
-        for implementation, public in _STRATEGIES:
-            if implementation is not None:
-                standalone_strategy(public).register_strategies(StandaloneRegistry)  # type: ignore[attr-defined]
-    return [name for name, entry in StrategyRegistry.items() if entry["strategy"] in ours]
+    for registry, strategies in _registries():
+        for strategy in strategies:
+            register_strategy(strategy, registry)
+    return [name for name, entry in StrategyRegistry.items() if entry["strategy"] in STRATEGIES]

@@ -1,0 +1,100 @@
+"""The ``lightning-balanced`` command: Lightning's CLI with the strategy plugins registered before parsing.
+
+``lightning-balanced fit --config job.yaml`` (or ``python -m lightning_balanced ...``) is ``LightningCLI`` with any
+``LightningModule`` and ``LightningDataModule`` given by ``class_path`` in the config, and every strategy of this
+package and of the installed plugins (:mod:`lightning_balanced.plugins`) available by name, e.g. ``strategy:
+balanced_dp``, ``strategy: ddp_lr_sqrt`` or the ``class_path``/``init_args`` form.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from typing_extensions import override
+
+from lightning_balanced.plugins import load_strategy_plugins
+
+__all__ = ["LightningBalancedCLI", "main"]
+
+
+# Strategy arguments the Trainer fills in from its own (accelerator=, devices=, plugins=).
+_PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+
+
+def _strategy_help() -> str:
+    names = sorted(StrategyRegistry)
+    lines = [
+        "A registered strategy name or a Strategy class (class_path and init_args).",
+        f"Registered names: {', '.join(names)}.",
+        "Arguments of the strategies registered from outside Lightning (--trainer.strategy.help CLASS shows more):",
+    ]
+    seen = set()
+    for name in names:
+        strategy = StrategyRegistry[name]["strategy"]
+        if strategy in seen or strategy.__module__.startswith(("lightning.", "pytorch_lightning.")):
+            continue
+        seen.add(strategy)
+        parameters = [
+            p
+            for p in inspect.signature(strategy).parameters.values()
+            if p.kind is not p.VAR_KEYWORD and p.name not in _PLUMBING
+        ]
+        arguments = ", ".join(f"{p.name}={p.default!r}" for p in parameters if p.default is not p.empty)
+        extra = " and DDPStrategy's arguments" if any(c.__name__ == "DDPStrategy" for c in strategy.__mro__) else ""
+        lines.append(f"  {strategy.__module__}.{strategy.__qualname__}({arguments}){extra}")
+    return "\n".join(lines)
+
+
+class LightningBalancedCLI(LightningCLI):
+    """``LightningCLI`` that loads the strategy plugins first and takes model and data by ``class_path``.
+
+    Before the parser is built, :func:`~lightning_balanced.plugins.load_strategy_plugins` registers the strategies of
+    every installed plugin, so their names resolve in ``--trainer.strategy`` and in configs, and the working directory
+    is appended to the import path (as ``python -m`` does), so a ``class_path`` can name a module of the project you
+    run it from, e.g. ``examples.digits.DigitsClassifier`` from this repository's root.
+
+    Args:
+        model_class: the base of the accepted models; any ``LightningModule`` by default.
+        datamodule_class: the base of the accepted datamodules; any ``LightningDataModule`` by default.
+        subclass_mode_model: accept subclasses of ``model_class`` given by ``class_path`` (on by default).
+        subclass_mode_data: accept subclasses of ``datamodule_class`` given by ``class_path`` (on by default).
+        **kwargs: everything ``LightningCLI`` takes (``args``, ``seed_everything_default``, ``trainer_defaults``, ...).
+    """
+
+    def __init__(
+        self,
+        model_class: type[LightningModule] | None = None,
+        datamodule_class: type[LightningDataModule] | None = None,
+        *,
+        subclass_mode_model: bool = True,
+        subclass_mode_data: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        load_strategy_plugins()
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())
+        super().__init__(
+            model_class or LightningModule,
+            datamodule_class or LightningDataModule,
+            subclass_mode_model=subclass_mode_model,
+            subclass_mode_data=subclass_mode_data,
+            **kwargs,
+        )
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """List the registered strategy names and our strategies' arguments in ``--trainer.strategy``'s help."""
+        for action in parser._actions:
+            if action.dest == "trainer.strategy":
+                action.help = _strategy_help()
+
+
+def main(args: list[str] | None = None) -> LightningBalancedCLI:
+    """Run ``lightning-balanced`` on ``args`` (``sys.argv[1:]`` when ``None``) and return the CLI object."""
+    return LightningBalancedCLI(args=args)

@@ -1,0 +1,180 @@
+"""The ``lightning-balanced`` command: strategies by name or class from YAML, plugins, help, every example config."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
+from lightning_balanced.cli import LightningBalancedCLI
+from lightning_balanced.plugins import ENTRY_POINT_GROUP
+from tests.fake_distribution import write_distribution
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+BORING = [
+    "--seed_everything=1",
+    "--model=lightning.pytorch.demos.boring_classes.BoringModel",
+    "--data=lightning.pytorch.demos.boring_classes.BoringDataModule",
+]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["lightning-balanced"])  # LightningCLI warns when given both `args` and argv
+    # Lightning 2.6's cli.py calls jsonargparse APIs deprecated in jsonargparse 4.49 (add_instantiator,
+    # instantiate_classes, skip_none); not ours to fix, so use jsonargparse's own switch for these notices.
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+
+
+STRATEGY_FORMS = {
+    "balanced_dp by name": ("strategy: balanced_dp", BalancedDataParallelStrategy, {"gpu0_bsz": None}),
+    "ddp_lr_sqrt by name": ("strategy: ddp_lr_sqrt", LRScaledDDPStrategy, {"lr_scaling": "sqrt"}),
+    "balanced_dp by class": (
+        "strategy:\n    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      gpu0_bsz: 3",
+        BalancedDataParallelStrategy,
+        {"gpu0_bsz": 3},
+    ),
+    "LRScaledDDPStrategy by class": (
+        "strategy:\n    class_path: lightning_balanced.LRScaledDDPStrategy\n"
+        "    init_args:\n      lr_scaling: sqrt\n      warmup_steps: 7\n      start_method: spawn",
+        LRScaledDDPStrategy,
+        {"lr_scaling": "sqrt", "warmup_steps": 7, "_start_method": "spawn"},
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(STRATEGY_FORMS))
+def test_strategy_by_name_or_by_class_from_yaml(form: str, tmp_path: Path) -> None:
+    strategy_yaml, expected_type, attributes = STRATEGY_FORMS[form]
+    config = tmp_path / "job.yaml"
+    config.write_text(f"trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n  {strategy_yaml}\n")
+    cli = LightningBalancedCLI(args=["--config", str(config), *BORING], run=False)
+    strategy = cli.trainer.strategy
+    assert type(strategy) is expected_type
+    for name, value in attributes.items():
+        assert getattr(strategy, name) == value, name
+    assert type(cli.model).__name__ == "BoringModel" and type(cli.datamodule).__name__ == "BoringDataModule"
+
+
+def _help(capsys: pytest.CaptureFixture[str], run: Any) -> str:
+    with pytest.raises(SystemExit) as exited:
+        run()
+    assert exited.value.code == 0
+    return "".join(capsys.readouterr().out.split())  # argparse wraps lines, even inside long words
+
+
+def test_fit_help_lists_the_strategy_names_and_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(capsys, lambda: LightningBalancedCLI(args=["fit", "--help"]))
+    assert "--trainer.strategySTRATEGY" in text
+    names = text.split("Registerednames:")[1].split(".")[0].split(",")
+    assert {"balanced_dp", "ddp_lr_linear", "ddp_lr_sqrt", "ddp_spawn_lr_sqrt", "ddp", "fsdp"} <= set(names)
+    assert "BalancedDataParallelStrategy(gpu0_bsz=None,chunk_sizes=None,weights=None,loss_reduction='mean')" in text
+    assert "LRScaledDDPStrategy(lr_scaling='linear',reference_batch_size=None,warmup_steps=0," in text
+
+
+def test_python_dash_m_runs_the_same_command(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["lightning_balanced", "fit", "--help"])
+    monkeypatch.delitem(sys.modules, "lightning_balanced.__main__", raising=False)
+    text = _help(capsys, lambda: runpy.run_module("lightning_balanced", run_name="__main__", alter_sys=True))
+    assert "--trainer.strategySTRATEGY" in text and "LRScaledDDPStrategy(lr_scaling='linear'" in text
+
+
+PLUGIN_SOURCE = '''
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+
+class PluginStrategy(SingleDeviceStrategy):
+    """A strategy from another package."""
+
+    @classmethod
+    def register_strategies(cls, strategy_registry):
+        strategy_registry.register("third_party_single", cls, description="from a plugin", device="cpu")
+'''
+
+
+def test_a_third_party_plugins_strategy_name_resolves_in_the_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    site = write_distribution(
+        tmp_path / "site",
+        "third-party-strategy",
+        {ENTRY_POINT_GROUP: {"third_party": "third_party_strategy:PluginStrategy"}},
+        {"third_party_strategy": PLUGIN_SOURCE},
+    )
+    monkeypatch.syspath_prepend(str(site))
+    assert "third_party_single" not in StrategyRegistry
+    try:
+        text = _help(capsys, lambda: LightningBalancedCLI(args=["fit", "--help"]))
+        assert "third_party_single" in text and "third_party_strategy.PluginStrategy(" in text
+        cli = LightningBalancedCLI(
+            args=[
+                "fit",
+                *BORING,
+                "--trainer.strategy=third_party_single",
+                "--trainer.accelerator=cpu",
+                "--trainer.max_steps=2",
+                "--trainer.logger=false",
+                "--trainer.enable_checkpointing=false",
+                "--trainer.enable_progress_bar=false",
+                "--trainer.enable_model_summary=false",
+                f"--trainer.default_root_dir={tmp_path}",
+            ]
+        )
+        assert type(cli.trainer.strategy).__qualname__ == "PluginStrategy"
+        assert type(cli.trainer.strategy).__module__ == "third_party_strategy"
+        assert cli.trainer.global_step == 2
+    finally:
+        StrategyRegistry.pop("third_party_single", None)
+
+
+# What each example config must show in its output: the strategy at work and the job's final line.
+EXPECTED_OUTPUT = {
+    "digits_balanced_dp.yaml": ["balanced_dp: a batch of 64 is split over 2 devices as [16, 48]", "final: val_acc="],
+    "digits_ddp_lr_sqrt.yaml": ["lr scaling (sqrt): factor 1.41421 from world_size 2", "final: val_acc="],
+    "detection_ddp_lr_linear.yaml": [
+        "lr scaling (linear): factor 2 from world_size 2",
+        "detection: map=",
+        "lr_scale_factor=2 images=500",
+    ],
+}
+
+
+def _command() -> list[str]:
+    """The installed console script when it runs this checkout, else ``python -m lightning_balanced`` (the same)."""
+    script = shutil.which("lightning-balanced")
+    if script is not None and Path(script).read_text(errors="replace").find("lightning_balanced.cli") >= 0:
+        return [script]
+    return [sys.executable, "-m", "lightning_balanced"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_example_config_fits_with_the_command(config: Path, tmp_path: Path) -> None:
+    # A few steps, one validation pass, nothing written outside tmp_path. Run from the repository root, where the
+    # configs' class paths (examples.<job>.<Class>) import from.
+    command = [
+        *_command(),
+        "fit",
+        "--config",
+        str(config),
+        "--trainer.max_steps=3",
+        "--trainer.limit_train_batches=3",
+        "--trainer.check_val_every_n_epoch=1",
+        "--trainer.limit_val_batches=1.0",
+        "--trainer.logger=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    env = {**os.environ, "JSONARGPARSE_DEPRECATION_WARNINGS": "off", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    for expected in EXPECTED_OUTPUT.get(config.name, []):
+        assert expected in output, (expected, output[-4000:])
