@@ -35,8 +35,9 @@ BalanceMethod = Literal["time", "memory", "parameters"]
 def split_costs(costs: Sequence[float], partitions: int) -> list[int]:
     """Cut ``costs`` into ``partitions`` non-empty contiguous runs that minimize the largest run's sum.
 
-    Exact (dynamic programming, ``O(partitions * len(costs)^2)``); among optimal cuts, earlier partitions take as many
-    layers as they can, so the result is deterministic.
+    Exact for the largest run (dynamic programming, ``O(partitions * len(costs)^2)``); among cuts with the same largest
+    run, the one with the smaller sum of squared run costs (the more even one), then the earliest cut, so the result is
+    deterministic.
 
     Args:
         costs (Sequence[float]): a non-negative cost per layer.
@@ -56,16 +57,18 @@ def split_costs(costs: Sequence[float], partitions: int) -> list[int]:
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[p][i]: smallest possible largest-run cost for the first i layers cut into p runs; cut[p][i]: start of run p.
+    inf = (float("inf"), float("inf"))
+    # best[p][i]: the (largest run, sum of squared runs) of the first i layers cut into p runs, compared in that
+    # order; cut[p][i]: where run p starts.
     best = [[inf] * (n + 1) for _ in range(partitions + 1)]
     cut = [[0] * (n + 1) for _ in range(partitions + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for p in range(1, partitions + 1):
         for i in range(p, n - (partitions - p) + 1):
             for k in range(p - 1, i):
-                value = max(best[p - 1][k], prefix[i] - prefix[k])
-                if value <= best[p][i]:  # ties: the latest start, i.e. earlier partitions take more layers
+                run = prefix[i] - prefix[k]
+                value = (max(best[p - 1][k][0], run), best[p - 1][k][1] + run * run)
+                if value < best[p][i]:
                     best[p][i], cut[p][i] = value, k
     balance = []
     i = n
@@ -103,6 +106,8 @@ def _side_effect_free(layers: Sequence[Module], device: torch.device) -> Iterato
     """Profile without leaving a trace: random generators, buffers (BatchNorm statistics) and gradients restored."""
     params = [p for layer in layers for p in layer.parameters()]
     grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None  # backward would accumulate into the existing gradient tensors
     buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
     devices = []
     if device.type == "cuda":

@@ -65,21 +65,25 @@ class Partition:
 
     @contextmanager
     def frozen_batchnorm_statistics(self) -> Iterator[None]:
-        """Keep the running statistics of plain BatchNorm layers as they are (for a recomputation)."""
-        saved = []
+        """Keep the running statistics of plain BatchNorm layers as they are (for a recomputation).
+
+        The layers update copies, dropped afterwards; the buffers themselves are never written, so a graph that saved
+        them stays valid.
+        """
+        swapped: list[tuple[_BatchNorm, dict[str, Tensor | None]]] = []
         for _, layer in self.layers:
             for m in layer.modules():
                 if isinstance(m, _BatchNorm) and m.training and m.track_running_stats and not _is_deferred(m):
-                    buffers = (m.running_mean, m.running_var, m.num_batches_tracked)
-                    saved.append((buffers, tuple(b.clone() if b is not None else None for b in buffers)))
+                    names = ("running_mean", "running_var", "num_batches_tracked")
+                    originals = {name: m._buffers[name] for name in names}
+                    for name, buffer in originals.items():
+                        m._buffers[name] = None if buffer is None else buffer.clone()
+                    swapped.append((m, originals))
         try:
             yield
         finally:
-            with torch.no_grad():
-                for buffers, copies in saved:
-                    for buffer, copy in zip(buffers, copies, strict=True):
-                        if buffer is not None and copy is not None:
-                            buffer.copy_(copy)
+            for m, originals in swapped:
+                m._buffers.update(originals)
 
 
 def _is_deferred(module: Module) -> bool:
