@@ -1,0 +1,199 @@
+"""Choosing the balance (layers per partition): from per-layer costs, measured or counted.
+
+``split_costs`` is the pure part: contiguous partitions that minimize the largest partition cost. The cost of a
+layer is its parameter count (deterministic), its forward+backward time on a sample micro-batch, or, on CUDA, the
+memory its forward pass keeps for backward plus its parameters and their gradients.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any, Literal
+
+import torch
+from torch.nn import Module
+
+from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
+from lightning_balanced.pipeline.microbatch import flatten
+
+__all__ = [
+    "BalanceMethod",
+    "balance_by_parameters",
+    "balance_by_time",
+    "layer_memory",
+    "layer_parameters",
+    "layer_times",
+    "split_costs",
+]
+
+BalanceMethod = Literal["time", "memory", "parameters"]
+
+
+def split_costs(costs: Sequence[float], partitions: int) -> list[int]:
+    """Cut ``costs`` into ``partitions`` non-empty contiguous runs that minimize the largest run's sum.
+
+    Exact for the largest run (dynamic programming, ``O(partitions * len(costs)^2)``); among cuts with the same largest
+    run, the one with the smaller sum of squared run costs (the more even one), then the earliest cut, so the result is
+    deterministic.
+
+    Args:
+        costs (Sequence[float]): a non-negative cost per layer.
+        partitions (int): between 1 and ``len(costs)``.
+
+    Returns:
+        list[int]: the number of layers per partition (the balance), summing to ``len(costs)``.
+
+    Raises:
+        ValueError: ``partitions`` out of range, or a negative or non-finite cost.
+    """
+    n = len(costs)
+    if not 1 <= partitions <= n:
+        raise ValueError(f"`partitions` must be between 1 and the number of layers ({n}), got {partitions}")
+    if any(not (c >= 0 and c != float("inf")) for c in costs):
+        raise ValueError(f"costs must be non-negative and finite, got {list(costs)}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = (float("inf"), float("inf"))
+    # best[p][i]: the (largest run, sum of squared runs) of the first i layers cut into p runs, compared in that
+    # order; cut[p][i]: where run p starts.
+    best = [[inf] * (n + 1) for _ in range(partitions + 1)]
+    cut = [[0] * (n + 1) for _ in range(partitions + 1)]
+    best[0][0] = (0.0, 0.0)
+    for p in range(1, partitions + 1):
+        for i in range(p, n - (partitions - p) + 1):
+            for k in range(p - 1, i):
+                run = prefix[i] - prefix[k]
+                value = (max(best[p - 1][k][0], run), best[p - 1][k][1] + run * run)
+                if value < best[p][i]:
+                    best[p][i], cut[p][i] = value, k
+    balance = []
+    i = n
+    for p in range(partitions, 0, -1):
+        k = cut[p][i]
+        balance.append(i - k)
+        i = k
+    return balance[::-1]
+
+
+def layer_parameters(layers: Sequence[Module]) -> list[float]:
+    """Parameter count of each layer, plus one so that layers without parameters still weigh.
+
+    A parameter shared by several layers is counted once, where first seen.
+    """
+    seen: set[int] = set()
+    costs = []
+    for layer in layers:
+        count = 0
+        for p in layer.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                count += p.numel()
+        costs.append(float(count + 1))
+    return costs
+
+
+def balance_by_parameters(layers: Sequence[Module], partitions: int) -> list[int]:
+    """The balance that evens out parameter counts: deterministic, needs no sample."""
+    return split_costs(layer_parameters(layers), partitions)
+
+
+@contextmanager
+def _side_effect_free(layers: Sequence[Module], device: torch.device) -> Iterator[None]:
+    """Profile without leaving a trace: random generators, buffers (BatchNorm statistics) and gradients restored."""
+    params = [p for layer in layers for p in layer.parameters()]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None  # backward would accumulate into the existing gradient tensors
+    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
+    devices = []
+    if device.type == "cuda":
+        devices = [torch.cuda.current_device() if device.index is None else device.index]
+    with ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, copy in buffers:
+                    buffer.copy_(copy)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            for layer in layers:
+                for m in layer.modules():
+                    if isinstance(m, DeferredBatchNorm):
+                        m.reset_accumulator()
+
+
+def _leaf(value: Any) -> Any:
+    tensors, rebuild = flatten(value)
+    return rebuild([t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors])
+
+
+def _backward(output: Any) -> None:
+    tensors = [t for t in flatten(output)[0] if t.requires_grad]
+    if tensors:
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def layer_times(layers: Sequence[Module], sample: Any, device: torch.device, repeats: int = 3) -> list[float]:
+    """Forward+backward seconds of each layer on ``sample`` (the input of the first layer), on ``device``.
+
+    The layers run in sequence, each on the previous one's output, ``repeats + 1`` times; the first pass warms up and
+    each layer's cost is its median over the others. Gradients, buffers and random generators are left as they were.
+    """
+    times: list[list[float]] = [[] for _ in layers]
+    with _side_effect_free(layers, device):
+        for attempt in range(repeats + 1):
+            value = sample
+            for k, layer in enumerate(layers):
+                value = _leaf(value)
+                _synchronize(device)
+                start = time.perf_counter()
+                output = layer(value)
+                _backward(output)
+                _synchronize(device)
+                if attempt:
+                    times[k].append(time.perf_counter() - start)
+                value = output
+    return [statistics.median(t) for t in times]
+
+
+def balance_by_time(layers: Sequence[Module], sample: Any, partitions: int, device: torch.device) -> list[int]:
+    """The balance that evens out measured forward+backward time per partition (:func:`layer_times`)."""
+    return split_costs(layer_times(layers, sample, device), partitions)
+
+
+def layer_memory(layers: Sequence[Module], sample: Any, device: torch.device, param_scale: float = 2.0) -> list[float]:
+    """Bytes each layer needs on CUDA ``device``.
+
+    That is what its forward pass on ``sample`` keeps for backward (its output and saved activations), plus
+    ``param_scale`` times its parameter bytes (2: parameters and gradients).
+    """
+    if device.type != "cuda":
+        raise ValueError(f"memory per layer is measured on CUDA devices only, got {device}")
+    costs = []
+    with _side_effect_free(layers, device):
+        value = sample
+        for layer in layers:
+            value = _leaf(value)
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            output = layer(value)
+            torch.cuda.synchronize(device)
+            kept = torch.cuda.memory_allocated(device) - before
+            params = sum(p.numel() * p.element_size() for p in layer.parameters())
+            costs.append(float(max(kept, 0) + param_scale * params))
+            value = flatten(output)[1]([t.detach() for t in flatten(output)[0]])
+            del output
+    return costs

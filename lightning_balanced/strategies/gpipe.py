@@ -1,0 +1,355 @@
+"""Single-process pipeline parallelism, GPipe-style: an ``nn.Sequential`` of the LightningModule cut over devices."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
+from lightning_balanced.pipeline.balance import (
+    BalanceMethod,
+    balance_by_parameters,
+    layer_memory,
+    layer_parameters,
+    layer_times,
+    split_costs,
+)
+from lightning_balanced.pipeline.pipe import validate_balance, validate_checkpoint, validate_chunks
+
+__all__ = ["GPipeStrategy"]
+
+log = logging.getLogger(__name__)
+
+_BALANCE_METHODS: tuple[str, ...] = ("auto", "time", "memory", "parameters")
+
+
+class GPipeStrategy(ParallelStrategy):
+    """Pipeline parallelism in one process: a LightningModule's ``nn.Sequential`` cut over devices, GPipe-style.
+
+    The ``nn.Sequential`` is cut into one partition per device and each batch flows through them as micro-batches, on
+    GPipe's schedule.
+
+    At setup the ``nn.Sequential`` found at ``module_name`` on the LightningModule is wrapped, in place, in a
+    :class:`~lightning_balanced.pipeline.Pipe` with the same layers under the same names; partition ``j`` (the next
+    ``balance[j]`` layers) lives on ``devices[j]``, and everything else of the LightningModule (loss, metrics, heads
+    outside the Sequential) on ``devices[0]``, the root device. ``training_step`` and the other steps run unchanged on
+    the main thread: when they call the Sequential, the batch is split into ``chunks`` micro-batches that run through
+    the partitions on one worker thread per partition (micro-batch ``i`` on partition ``j`` at clock cycle ``i + j``),
+    and the output comes back whole, concatenated on the root device, so the loss is computed on the re-joined
+    mini-batch and Lightning's loop (automatic or manual optimization, gradient accumulation and clipping, ``16-mixed``
+    and ``bf16-mixed``, whose autocast each partition's thread re-enters) is unchanged. Teardown puts the plain
+    ``nn.Sequential`` back. Checkpoints hold its plain layout (``<module_name>.<layer>.<param>``), so they load under
+    any balance and into an unpipelined model.
+
+    With ``accelerator="cpu", devices=N`` the partitions run on N CPU threads through the same schedule, the way
+    ``balanced_dp`` emulates its devices.
+
+    Args:
+        balance: layers per partition, one partition per device (at most as many partitions as devices; extra
+            devices stay unused); ``None``: layers spread as evenly as possible by count over all devices; ``"auto"``:
+            measured on the first forward pass, by memory on CUDA and by forward+backward time elsewhere, falling back
+            to parameter counts if the measurement fails; ``"time"``, ``"memory"`` (CUDA only) or ``"parameters"``
+            (deterministic) to choose. The balance is logged once, one line per partition.
+        chunks: micro-batches per batch (GPipe's ``m``). A batch that ``chunks`` does not divide is split as evenly
+            as possible; with a BatchNorm layer training, fewer micro-batches are used rather than one of a single
+            sample, unless ``chunks`` is at least the batch size.
+        checkpoint: which micro-batches are recomputed in backward instead of keeping their activations:
+            ``"always"``, ``"except_last"`` (GPipe's default: the last one's backward comes right after its forward),
+            or ``"never"``. Only in training with grad enabled.
+        deferred_batch_norm: replace ``nn.BatchNorm1d/2d/3d`` in the Sequential by
+            :class:`~lightning_balanced.pipeline.DeferredBatchNorm` while the strategy runs, so running statistics
+            are those of the whole mini-batch (each micro-batch is still normalized with its own statistics).
+        module_name: the attribute of the LightningModule that holds the ``nn.Sequential`` (Lightning 1.x's
+            ``DDPSequentialPlugin`` used ``sequential_module``).
+        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``;
+            normally filled in by the ``Trainer`` from ``accelerator=`` and ``devices=``.
+
+    Raises:
+        TypeError: ``balance`` not a list of ints or a method name, ``chunks`` not an int, ``module_name`` not a string,
+            ``deferred_batch_norm`` not a bool; at setup, the attribute is not an ``nn.Sequential``; in a step, a layer
+            that returns a non-tensor where the next one expects a tensor.
+        ValueError: ``chunks`` < 1, an unknown ``checkpoint`` or balance method, a ``balance`` entry < 1; at setup, a
+            missing attribute, ``sum(balance)`` other than the number of layers, more partitions than devices, fewer
+            layers than devices (``balance=None``), a parameter shared by two partitions, ``sync_batchnorm=True``.
+
+    Source: GPipe (Huang et al., NeurIPS 2019) and torchgpipe (Lee et al., 2020): micro-batches, the clock-cycle
+    schedule, fork/join dependencies, copy streams, checkpoint/recompute, ``DeferredBatchNorm``, balancing by time and
+    size; Lightning 1.x's ``DDPSequentialPlugin`` for ``module_name`` and ``balance``.
+    """
+
+    strategy_name = "gpipe"
+
+    def __init__(
+        self,
+        balance: Sequence[int] | Literal["auto", "time", "memory", "parameters"] | None = None,
+        chunks: int = 1,
+        checkpoint: Literal["always", "except_last", "never"] = "except_last",
+        deferred_batch_norm: bool = True,
+        module_name: str = "sequential_module",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if isinstance(balance, str):
+            if balance not in _BALANCE_METHODS:
+                raise ValueError(
+                    f"`balance` must be a list of ints, None or one of {list(_BALANCE_METHODS)}, got {balance!r}"
+                )
+            self.balance: list[int] | str | None = balance
+        else:
+            self.balance = None if balance is None else validate_balance(balance)
+        self.chunks = validate_chunks(chunks)
+        self.checkpoint = validate_checkpoint(checkpoint)
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"`deferred_batch_norm` must be a bool, got {deferred_batch_norm!r}")
+        self.deferred_batch_norm = deferred_batch_norm
+        if not isinstance(module_name, str) or not module_name:
+            raise TypeError(f"`module_name` must be the name of an attribute (a non-empty str), got {module_name!r}")
+        self.module_name = module_name
+        self._pipe: Pipe | None = None
+        self._balance_method = "given"
+
+    # ---- a single process ------------------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None, "parallel_devices are set by the Trainer"
+        return self.parallel_devices[0]
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """One process: Lightning adds no ``DistributedSampler``."""
+        return False
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Identity: there is one process."""
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Identity: there is one process."""
+        return tensor
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Nothing to wait for in one process."""
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Identity: there is one process."""
+        return obj
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Identity: there is one process."""
+        return decision
+
+    # ---- placement -------------------------------------------------------------------------------------------------
+    @override
+    def model_to_device(self) -> None:
+        """The module on the root device, then each partition on its own device (``module.to`` would collapse them)."""
+        assert self.model is not None
+        self.model.to(self.root_device)
+        if self._pipe is not None:
+            self._pipe.place()
+            self._optimizer_states_to_parameter_devices()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """As Lightning does, then each state tensor onto its parameter's device (Lightning moves all to the root)."""
+        super().load_optimizer_state_dict(checkpoint)
+        self._optimizer_states_to_parameter_devices()
+
+    def _optimizer_states_to_parameter_devices(self) -> None:
+        for optimizer in self.optimizers:
+            for param, state in optimizer.state.items():
+                if not isinstance(param, Tensor) or not isinstance(state, dict):
+                    continue
+                for key, value in state.items():
+                    if key != "step" and isinstance(value, Tensor) and value.device != param.device:
+                        state[key] = value.to(param.device)
+
+    # ---- setup and teardown ----------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.parallel_devices, "parallel_devices are set by the Trainer"
+        if self._layer_sync is not None:
+            raise ValueError(
+                "`Trainer(sync_batchnorm=True)` is not supported with strategy='gpipe': there is one process and one"
+                " copy of each layer. Keep `deferred_batch_norm=True` for running statistics over the whole batch."
+            )
+        module = self.lightning_module
+        assert module is not None
+        sequential = self._find_sequential(module)
+        devices = list(self.parallel_devices)
+        if isinstance(self.balance, list):
+            balance: Any = validate_balance(self.balance, len(sequential), len(devices))
+        elif self.balance is None:
+            balance = _even_balance(len(sequential), len(devices))
+        elif self.balance == "memory" and devices[0].type != "cuda":
+            raise ValueError(f"`balance`='memory' measures CUDA memory, but the devices are {devices}")
+        else:
+            balance = self._measure_balance
+        if self.deferred_batch_norm:
+            DeferredBatchNorm.convert_deferred_batch_norm(sequential)
+        self._pipe = Pipe(
+            sequential,
+            balance,
+            devices,
+            self.chunks,
+            self.checkpoint,
+            module_name=self.module_name,
+            on_balanced=self._on_balanced,
+        )
+        setattr(module, self.module_name, self._pipe)
+        try:
+            super().setup(trainer)
+        except BaseException:
+            self._unwrap()
+            raise
+        if self._pipe.balance is not None:
+            self._report()
+
+    def _find_sequential(self, module: pl.LightningModule) -> nn.Sequential:
+        if not hasattr(module, self.module_name):
+            raise ValueError(
+                f"`module_name`={self.module_name!r}: {type(module).__name__} has no attribute {self.module_name!r};"
+                " strategy='gpipe' pipelines the nn.Sequential it names"
+            )
+        sequential = getattr(module, self.module_name)
+        if isinstance(sequential, Pipe):
+            sequential = sequential.unwrap()
+        if not isinstance(sequential, nn.Sequential):
+            raise TypeError(
+                f"`module_name`={self.module_name!r}: {type(module).__name__}.{self.module_name} must be an"
+                f" nn.Sequential, got {type(sequential).__name__}"
+            )
+        if len(sequential) == 0:
+            raise ValueError(f"`module_name`={self.module_name!r}: the nn.Sequential has no layers")
+        return sequential
+
+    def _measure_balance(self, pipe: Pipe, sample: Any) -> list[int]:
+        """Choose the balance on the first micro-batch (``balance`` "auto", "time", "memory" or "parameters")."""
+        layers = [m for m in pipe._modules.values() if m is not None]
+        partitions = min(len(pipe.devices), len(layers))
+        device = pipe.devices[0]
+        auto: BalanceMethod = "memory" if device.type == "cuda" else "time"
+        method: BalanceMethod = auto if self.balance == "auto" else self.balance  # type: ignore[assignment]
+        try:
+            if method == "memory":
+                costs = layer_memory(layers, sample, device)
+            elif method == "time":
+                costs = layer_times(layers, sample, device)
+            else:
+                costs = layer_parameters(layers)
+            if not any(costs):
+                raise ValueError("every layer measured 0")
+            self._balance_method = method
+            return split_costs(costs, partitions)
+        except (RuntimeError, ValueError) as err:
+            if self.balance != "auto" and method != "parameters":
+                raise
+            self._balance_method = f"parameters (measuring {method} failed: {err})"
+            return balance_by_parameters(layers, partitions)
+
+    def _on_balanced(self, pipe: Pipe) -> None:
+        self._optimizer_states_to_parameter_devices()
+        self._report()
+
+    def _report(self) -> None:
+        pipe = self._pipe
+        assert pipe is not None and pipe.balance is not None
+        method = "given" if isinstance(self.balance, list) else self._balance_method
+        if self.balance is None:
+            method = "even by layer count"
+        lines = [
+            f"gpipe: balance {pipe.balance} ({method}) over {len(pipe.balance)} partitions, chunks={self.chunks},"
+            f" checkpoint={self.checkpoint!r}"
+        ]
+        for j, partition in enumerate(pipe.partitions):
+            first, last = partition.layers[0][0], partition.layers[-1][0]
+            names = ", ".join(type(layer).__name__ for _, layer in partition.layers)
+            params = sum(p.numel() for _, layer in partition.layers for p in layer.parameters())
+            lines.append(
+                f"  partition {j} ({partition.device}): layers {first}-{last} ({names}), {params:,} parameters"
+            )
+        rank_zero_info("\n".join(lines))
+
+    def _unwrap(self) -> None:
+        if self._pipe is None:
+            return
+        pipe, self._pipe = self._pipe, None
+        module = self.lightning_module
+        if module is not None and getattr(module, self.module_name, None) is pipe:
+            setattr(module, self.module_name, pipe.unwrap())
+        else:
+            pipe.unwrap()
+
+    @override
+    def teardown(self) -> None:
+        self._unwrap()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"gpipe"`` (even balance, one micro-batch; pass the class with arguments for more)."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else ""
+            )
+
+
+def _even_balance(num_layers: int, num_devices: int) -> list[int]:
+    if num_layers < num_devices:
+        raise ValueError(
+            f"`balance`=None puts one partition on each of the {num_devices} devices, but the nn.Sequential has only"
+            f" {num_layers} layers: give a `balance` with at most {num_layers} partitions, or use fewer devices"
+        )
+    base, extra = divmod(num_layers, num_devices)
+    return [base + 1] * extra + [base] * (num_devices - extra)

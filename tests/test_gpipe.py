@@ -1,0 +1,358 @@
+"""strategy="gpipe" through Lightning's Trainer on CPU devices: exact against the unpipelined run; errors."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_balanced import GPipeStrategy
+from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
+from tests.helpers import RunIf, quiet_trainer
+
+MODES = ["always", "except_last", "never"]
+
+
+def layers(batchnorm: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    norm: nn.Module = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), norm, nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3))
+
+
+class SequentialModel(pl.LightningModule):
+    def __init__(self, batchnorm: bool = False, manual: bool = False, lr: float = 0.1) -> None:
+        super().__init__()
+        self.sequential_module = layers(batchnorm)
+        self.scale = nn.Parameter(torch.ones(()))  # outside the Sequential: lives on the root device
+        self.automatic_optimization = not manual
+        self.lr = lr
+        self.output_dtypes: list[torch.dtype] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.sequential_module(x)
+        self.output_dtypes.append(out.dtype)
+        return out * self.scale
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).to(y.dtype), y)
+        self.log("train_loss", loss)
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        assert isinstance(optimizer, pl.core.optimizer.LightningOptimizer)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        return None
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).to(y.dtype), y), batch_size=len(x))
+
+    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def data(n: int = 27, batch_size: int = 9, dtype: torch.dtype = torch.float64) -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 5, generator=generator, dtype=dtype), torch.randn(n, 3, generator=generator, dtype=dtype)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+class RecordStates(Callback):
+    def __init__(self) -> None:
+        self.states: list[dict[str, Tensor]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        self.states.append({k: v.detach().clone() for k, v in module.state_dict().items()})
+
+
+def fit(strategy: Any, devices: int = 2, model: SequentialModel | None = None, **kwargs: Any) -> RecordStates:
+    record = RecordStates()
+    model = model or SequentialModel()
+    settings: dict[str, Any] = {"precision": "64-true", "max_steps": 2, "callbacks": [record]}
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    settings.update(kwargs)
+    quiet_trainer(strategy=strategy, devices=devices, **settings).fit(model, data(), ckpt_path=ckpt_path)
+    return record
+
+
+def assert_same_states(actual: list[dict[str, Tensor]], expected: list[dict[str, Tensor]], atol: float) -> None:
+    assert len(actual) == len(expected) > 0
+    for a, e in zip(actual, expected, strict=True):
+        assert a.keys() == e.keys()
+        for key in e:
+            torch.testing.assert_close(a[key], e[key], rtol=0, atol=atol, msg=key)
+
+
+@pytest.fixture(scope="module")
+def single_device_steps() -> list[dict[str, Tensor]]:
+    return fit("auto", devices=1).states
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4, 7])
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_one_and_two_steps_equal_the_unpipelined_model(
+    chunks: int, checkpoint: str, single_device_steps: list[dict[str, Tensor]]
+) -> None:
+    # float64, no dropout; a batch of 9 that 2, 4 and 7 do not divide. Only the summation order of the weight
+    # gradients over the batch differs from one device, so 1e-10 holds with a wide margin (measured ~1e-16).
+    record = fit(GPipeStrategy(balance=[2, 1, 3], chunks=chunks, checkpoint=checkpoint), devices=3)
+    assert_same_states(record.states, single_device_steps, atol=1e-10)
+
+
+def test_manual_optimization_with_clipping_equals_the_unpipelined_model() -> None:
+    expected = fit("auto", devices=1, model=SequentialModel(manual=True), max_steps=3).states
+    actual = fit(GPipeStrategy(chunks=3), model=SequentialModel(manual=True), max_steps=3).states
+    assert_same_states(actual, expected, atol=1e-10)
+
+
+def test_gradient_accumulation_and_clipping_equal_the_unpipelined_model() -> None:
+    kwargs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3, "max_steps": 2}
+    expected = fit("auto", devices=1, **kwargs).states
+    actual = fit(GPipeStrategy(chunks=4, checkpoint="always"), **kwargs).states
+    assert_same_states(actual, expected, atol=1e-10)
+
+
+def test_validate_test_and_predict_equal_the_unpipelined_model() -> None:
+    model = SequentialModel()
+    expected_val = quiet_trainer(precision="64-true").validate(model, data(), verbose=False)
+    expected_pred = torch.cat(quiet_trainer(precision="64-true").predict(model, data()))  # type: ignore[arg-type]
+    trainer = quiet_trainer(strategy=GPipeStrategy(chunks=4), devices=2, precision="64-true")
+    val = trainer.validate(model, data(), verbose=False)
+    pred = trainer.predict(model, data())
+    assert isinstance(model.sequential_module, nn.Sequential) and not isinstance(model.sequential_module, Pipe)
+    assert val[0]["val_loss"] == pytest.approx(expected_val[0]["val_loss"], abs=1e-12)
+    assert pred is not None
+    predictions = torch.cat(pred)  # type: ignore[arg-type]
+    assert not predictions.requires_grad  # predict ran under inference mode, on the partition threads too
+    torch.testing.assert_close(predictions, expected_pred, rtol=0, atol=1e-12)
+
+
+def test_bf16_mixed_output_dtype_and_training() -> None:
+    model = SequentialModel()
+    trainer = quiet_trainer(strategy=GPipeStrategy(chunks=3), devices=2, precision="bf16-mixed", max_steps=2)
+    trainer.fit(model, data(dtype=torch.float32))
+    assert model.output_dtypes and set(model.output_dtypes) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_strategy_wraps_the_sequential_and_puts_it_back() -> None:
+    model = SequentialModel(batchnorm=True)
+    original = model.sequential_module
+    seen: dict[str, Any] = {}
+
+    class Inspect(Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+            pipe = module.sequential_module
+            seen.update(pipe=pipe, balance=pipe.balance, bn=type(pipe[2]), keys=list(module.state_dict()))
+
+    fit(GPipeStrategy(balance=[3, 3], chunks=3), model=model, callbacks=[Inspect()], max_steps=1)
+    assert isinstance(seen["pipe"], Pipe) and seen["balance"] == [3, 3] and seen["bn"] is DeferredBatchNorm
+    assert model.sequential_module is original and type(original[2]) is nn.BatchNorm1d
+    assert seen["keys"] == list(model.state_dict())  # the plain layout while training, too
+    assert int(original[2].num_batches_tracked) == 1  # one update per batch, not per micro-batch
+
+
+def test_registered_as_gpipe() -> None:
+    assert "gpipe" in StrategyRegistry
+    trainer = quiet_trainer(strategy="gpipe", devices=2, precision="64-true", max_steps=1)
+    trainer.fit(SequentialModel(), data())
+    assert isinstance(trainer.strategy, GPipeStrategy) and trainer.strategy.world_size == 1
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+def test_checkpoints_load_across_balances_and_into_the_plain_model(tmp_path: Path) -> None:
+    one_epoch = {"precision": "64-true", "max_steps": -1, "max_epochs": 1}  # 3 steps; end-of-epoch checkpoints
+    path = tmp_path / "gpipe.ckpt"
+    trainer = quiet_trainer(strategy=GPipeStrategy(balance=[3, 3], chunks=2), devices=2, **one_epoch)
+    trainer.fit(SequentialModel(), data())
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    plain = SequentialModel()
+    plain.load_state_dict(checkpoint["state_dict"])  # strict: the keys of the plain nn.Sequential
+    assert list(checkpoint["state_dict"]) == list(plain.state_dict())
+
+    # Resumed with another balance, the run continues exactly as the unpipelined model resumed from the same file
+    # (optimizer state included; the tolerance is that of the steps, see above).
+    two_epochs: dict[str, Any] = {"max_steps": -1, "max_epochs": 2}
+    expected = fit("auto", devices=1, ckpt_path=str(path), **two_epochs).states
+    resumed = fit(GPipeStrategy(balance=[1, 5], chunks=3), ckpt_path=str(path), **two_epochs).states
+    assert len(resumed) == 3
+    assert_same_states(resumed, expected, atol=1e-10)
+
+    # And the reverse: a single-device checkpoint resumed under gpipe.
+    single = tmp_path / "single.ckpt"
+    trainer = quiet_trainer(**one_epoch)
+    trainer.fit(SequentialModel(), data())
+    trainer.save_checkpoint(single)
+    expected = fit("auto", devices=1, ckpt_path=str(single), **two_epochs).states
+    resumed = fit(GPipeStrategy(balance=[4, 2], chunks=2), ckpt_path=str(single), **two_epochs).states
+    assert_same_states(resumed, expected, atol=1e-10)
+
+
+# ---- balance ---------------------------------------------------------------------------------------------------------
+def gpipe_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [line for r in caplog.records for line in r.getMessage().splitlines() if "gpipe" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("balance", "method"), [("auto", "(time)"), ("parameters", "(parameters)"), (None, "even")])
+def test_balance_is_reported_once_one_line_per_partition(
+    balance: Any, method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        fit(GPipeStrategy(balance=balance, chunks=2), devices=3, max_steps=3)
+    lines = gpipe_lines(caplog)
+    assert len(lines) == 4 and method in lines[0]
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [f"partition {j} (cpu)" for j in range(3)]
+    if balance == "parameters":  # deterministic: 96+1+1 | 272 | 1+51 parameters (+1 per layer)
+        assert "balance [3, 1, 2]" in lines[0]
+
+
+def test_auto_balance_falls_back_to_parameter_counts(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import lightning_balanced.strategies.gpipe as gpipe
+
+    def fail(*args: Any, **kwargs: Any) -> list[float]:
+        raise RuntimeError("out of memory while profiling")
+
+    monkeypatch.setattr(gpipe, "layer_times", fail)
+    with caplog.at_level(logging.INFO):
+        record = fit(GPipeStrategy(balance="auto", chunks=2), devices=3)
+    lines = gpipe_lines(caplog)
+    assert "balance [3, 1, 2] (parameters (measuring time failed: out of memory while profiling))" in lines[0]
+    assert len(record.states) == 2
+
+
+def test_auto_balance_steps_equal_the_unpipelined_model(single_device_steps: list[dict[str, Tensor]]) -> None:
+    record = fit(GPipeStrategy(balance="auto", chunks=4), devices=2)  # measured during the sanity check / 1st step
+    assert_same_states(record.states, single_device_steps, atol=1e-10)
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"chunks": 0}, ValueError, "`chunks` must be at least 1"),
+        ({"chunks": "4"}, TypeError, "`chunks` must be an int"),
+        ({"checkpoint": "except_first"}, ValueError, "`checkpoint` must be one of"),
+        ({"balance": "fast"}, ValueError, "`balance` must be a list of ints, None or one of"),
+        ({"balance": [3, -3]}, ValueError, "`balance` must hold"),
+        ({"balance": 6}, TypeError, "`balance` must be a list of ints"),
+        ({"deferred_batch_norm": "yes"}, TypeError, "`deferred_batch_norm` must be a bool"),
+        ({"module_name": 3}, TypeError, "`module_name` must be the name of an attribute"),
+    ],
+)
+def test_argument_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        GPipeStrategy(**kwargs)
+
+
+class NotSequential(SequentialModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequential_module = nn.ModuleList(list(self.sequential_module))  # type: ignore[assignment]
+
+
+class SharedWeights(SequentialModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequential_module[5].weight = self.sequential_module[0].weight  # tied, in different partitions
+        self.sequential_module[5] = nn.Linear(16, 16)
+        self.sequential_module[0] = self.sequential_module[3]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "model", "error", "match"),
+    [
+        (GPipeStrategy(module_name="body"), 2, SequentialModel, ValueError, "has no attribute 'body'"),
+        (GPipeStrategy(), 2, NotSequential, TypeError, "must be an nn.Sequential, got ModuleList"),
+        (
+            GPipeStrategy(balance=[2, 2]),
+            2,
+            SequentialModel,
+            ValueError,
+            r"covers 4 layers, but the nn.Sequential has 6",
+        ),
+        (GPipeStrategy(balance=[2, 2, 2]), 2, SequentialModel, ValueError, "3 partitions but there are only 2 devices"),
+        (GPipeStrategy(balance=[3, 3]), 2, SharedWeights, ValueError, r"share a parameter .* change `balance`"),
+        (GPipeStrategy(balance="memory"), 2, SequentialModel, ValueError, "`balance`='memory' measures CUDA memory"),
+        (GPipeStrategy(), 7, SequentialModel, ValueError, "the nn.Sequential has only 6 layers"),
+    ],
+)
+def test_setup_errors(strategy: GPipeStrategy, devices: int, model: type, error: type[Exception], match: str) -> None:
+    module = model()
+    before = module.sequential_module
+    with pytest.raises(error, match=match):
+        quiet_trainer(strategy=strategy, devices=devices, max_steps=1).fit(module, data(dtype=torch.float32))
+    assert module.sequential_module is before  # nothing left wrapped
+
+
+def test_sync_batchnorm_is_refused() -> None:
+    with pytest.raises(ValueError, match="sync_batchnorm=True"):
+        quiet_trainer(strategy=GPipeStrategy(), devices=2, sync_batchnorm=True, max_steps=1).fit(
+            SequentialModel(), data(dtype=torch.float32)
+        )
+
+
+def test_layer_returning_a_non_tensor_fails_the_step_with_a_type_error() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            return x, x
+
+    model = SequentialModel()
+    model.sequential_module[2] = Pair()
+    with pytest.raises(TypeError, match=r"`sequential_module\[3\]` \(Linear\) cannot take the tuple"):
+        quiet_trainer(strategy=GPipeStrategy(), devices=2, max_steps=1).fit(model, data(dtype=torch.float32))
+    assert not isinstance(model.sequential_module, Pipe)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------------------
+@RunIf(min_cuda_gpus=2)
+@pytest.mark.parametrize("precision", ["64-true", "16-mixed"])
+def test_cuda_partitions_stay_on_their_devices(precision: str) -> None:
+    model = SequentialModel()
+    placement: dict[str, Any] = {}
+
+    class Inspect(Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+            placement.update({n: p.device for n, p in module.named_parameters()})
+            optimizer = trainer.optimizers[0]
+            placement["states"] = {
+                s["exp_avg"].device == p.device for p, s in optimizer.state.items() if "exp_avg" in s
+            }
+
+    trainer = quiet_trainer(
+        strategy=GPipeStrategy(balance=[3, 3], chunks=3),
+        accelerator="cuda",
+        devices=2,
+        precision=precision,
+        max_steps=2,
+        callbacks=[Inspect()],
+    )
+    trainer.fit(model, data(dtype=torch.float32 if precision == "16-mixed" else torch.float64))
+    assert placement["sequential_module.0.weight"] == torch.device("cuda:0")
+    assert placement["sequential_module.5.weight"] == torch.device("cuda:1")
+    assert placement["scale"] == torch.device("cuda:0") and placement["states"] == {True}
+
+
+@RunIf(min_cuda_gpus=2)
+def test_cuda_memory_balance() -> None:
+    trainer = quiet_trainer(
+        strategy=GPipeStrategy(balance="memory", chunks=2), accelerator="cuda", devices=2, max_steps=1
+    )
+    trainer.fit(SequentialModel(), data(dtype=torch.float32))

@@ -1,0 +1,418 @@
+"""The GPipe core on CPU threads: schedule, micro-batches, exactness, checkpointing, dropout, DeferredBatchNorm."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from lightning_balanced.pipeline import DeferredBatchNorm, Pipe, clock_cycles, plan_micro_batches, split_costs
+from lightning_balanced.pipeline.balance import balance_by_parameters, layer_times
+from tests.helpers import RunIf
+
+CPU2 = [torch.device("cpu")] * 2
+CPU3 = [torch.device("cpu")] * 3
+MODES = ["always", "except_last", "never"]
+
+
+def mlp(dropout: float = 0.0, dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(5, 16),
+        nn.Tanh(),
+        nn.Dropout(dropout),
+        nn.Linear(16, 16),
+        nn.GELU(),
+        nn.Linear(16, 3),
+    ).to(dtype)
+
+
+# ---- schedule and micro-batches --------------------------------------------------------------------------------------
+def test_clock_cycles_run_micro_batch_i_on_partition_j_at_cycle_i_plus_j() -> None:
+    cycles = list(clock_cycles(3, 2))
+    assert cycles == [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
+    for m, n in [(1, 1), (4, 3), (7, 2), (2, 5)]:
+        cycles = list(clock_cycles(m, n))
+        assert len(cycles) == m + n - 1
+        assert sorted(p for c in cycles for p in c) == [(i, j) for i in range(m) for j in range(n)]
+        for k, cycle in enumerate(cycles):
+            assert all(i + j == k for i, j in cycle)
+            assert len({j for _, j in cycle}) == len(cycle)  # one task per partition per cycle
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        list(clock_cycles(0, 2))
+
+
+@given(st.integers(1, 200), st.integers(1, 50), st.booleans())
+def test_micro_batch_plan_is_even_ordered_and_loses_no_sample(batch_size: int, chunks: int, bn: bool) -> None:
+    sizes = plan_micro_batches(batch_size, chunks, batchnorm_training=bn)
+    assert sum(sizes) == batch_size and all(s >= 1 for s in sizes)
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert len(sizes) <= chunks
+    if bn and chunks < batch_size:
+        assert min(sizes) >= 2  # never a micro-batch BatchNorm cannot normalize, unless asked for
+    if not bn:
+        assert len(sizes) == min(chunks, batch_size)
+
+
+def test_micro_batch_of_one_only_when_asked_for_with_training_batchnorm() -> None:
+    assert plan_micro_batches(9, 8) == [2] + [1] * 7
+    assert plan_micro_batches(9, 8, batchnorm_training=True) == [3, 2, 2, 2]
+    assert plan_micro_batches(5, 5, batchnorm_training=True) == [1] * 5  # chunks >= batch size: asked for
+    with pytest.raises(ValueError, match="chunks"):
+        plan_micro_batches(4, 0)
+
+
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=9), st.integers(1, 9))
+def test_split_costs_is_the_optimal_contiguous_split(costs: list[int], partitions: int) -> None:
+    if partitions > len(costs):
+        with pytest.raises(ValueError, match="partitions"):
+            split_costs(costs, partitions)
+        return
+    balance = split_costs(costs, partitions)
+    assert len(balance) == partitions and sum(balance) == len(costs) and min(balance) >= 1
+
+    def largest(b: list[int]) -> int:
+        bounds = [sum(b[:k]) for k in range(len(b) + 1)]
+        return max(sum(costs[bounds[k] : bounds[k + 1]]) for k in range(len(b)))
+
+    # brute force over all cuts
+    import itertools
+
+    best = min(
+        largest([e - s for s, e in zip((0, *cuts), (*cuts, len(costs)), strict=True)])
+        for cuts in itertools.combinations(range(1, len(costs)), partitions - 1)
+    )
+    assert largest(balance) == best
+
+
+# ---- exactness ---------------------------------------------------------------------------------------------------
+def sgd_steps(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> list[dict[str, Tensor]]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    states = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return states
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4, 7])
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_two_training_steps_equal_the_unpipelined_model_in_float64(chunks: int, checkpoint: str) -> None:
+    torch.manual_seed(1)
+    batches = [(torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)) for _ in range(2)]
+    reference = sgd_steps(mlp(), batches)
+    pipe = Pipe(mlp(), [2, 1, 3], CPU3, chunks=chunks, checkpoint=checkpoint)
+    pipelined = sgd_steps(pipe, batches)
+    # float64 and the same operations per sample; only the order of the batch sums in the weight gradients differs.
+    for step in range(2):
+        assert reference[step].keys() == pipelined[step].keys()
+        for key in reference[step]:
+            torch.testing.assert_close(pipelined[step][key], reference[step][key], rtol=0, atol=1e-10)
+
+
+def test_outputs_are_invariant_to_the_number_of_micro_batches() -> None:
+    x = torch.randn(13, 5, dtype=torch.float64)
+    outputs = [Pipe(mlp(), [3, 3], CPU2, chunks=chunks)(x) for chunks in (1, 2, 3, 5, 13, 20)]
+    for output in outputs[1:]:
+        torch.testing.assert_close(output, outputs[0], rtol=0, atol=1e-12)
+
+
+def test_batch_structures_flow_through_the_pipeline() -> None:
+    class TakeDict(nn.Module):
+        def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+            return batch["x"] * batch["scale"], batch["x"]
+
+    class Add(nn.Module):
+        def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+            return pair[0] + pair[1]
+
+    x = torch.randn(7, 3, dtype=torch.float64)
+    batch = {"x": x, "scale": torch.tensor(2.0, dtype=torch.float64)}
+    out = Pipe(nn.Sequential(TakeDict(), Add(), nn.Identity()), [1, 2], CPU2, chunks=3)(batch)
+    torch.testing.assert_close(out, 3 * x)
+
+
+# ---- checkpointing -----------------------------------------------------------------------------------------------
+def count_calls(model: nn.Module) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for name, layer in model.named_children():
+        layer.register_forward_hook(lambda *_, name=name: counts.update([name]))
+    return counts
+
+
+@pytest.mark.parametrize(("checkpoint", "recomputed"), [("always", 4), ("except_last", 3), ("never", 0)])
+def test_recomputation_matches_the_checkpoint_mode(checkpoint: str, recomputed: int) -> None:
+    model = mlp()
+    counts = count_calls(model)
+    pipe = Pipe(model, [3, 3], CPU2, chunks=4, checkpoint=checkpoint)
+    out = pipe(torch.randn(8, 5, dtype=torch.float64))
+    assert set(counts.values()) == {4}  # forward: once per micro-batch
+    out.sum().backward()
+    assert set(counts.values()) == {4 + recomputed}
+    counts.clear()
+    pipe.eval()
+    pipe(torch.randn(8, 5, dtype=torch.float64)).sum().backward()  # eval mode: no checkpointing
+    assert set(counts.values()) == {4}
+    counts.clear()
+    pipe.train()
+    with torch.no_grad():
+        pipe(torch.randn(8, 5, dtype=torch.float64))
+    assert set(counts.values()) == {4}
+
+
+def test_dropout_recompute_reproduces_the_forward_mask_and_gradients() -> None:
+    x = torch.randn(12, 5, dtype=torch.float64)
+    grads = {}
+    for checkpoint in ["always", "never", "except_last"]:
+        model = mlp(dropout=0.5)
+        masks: list[tuple[Tensor, Tensor]] = []  # (input, kept) per call of the dropout layer
+        model[2].register_forward_hook(
+            lambda _, args, out, masks=masks: masks.append((args[0].detach().clone(), out != 0))
+        )
+        pipe = Pipe(model, [2, 2, 2], CPU3, chunks=4, checkpoint=checkpoint)
+        torch.manual_seed(123)
+        pipe(x).pow(2).sum().backward()
+        grads[checkpoint] = [p.grad.clone() for p in model.parameters()]
+        forward, recomputed = masks[:4], masks[4:]
+        assert len(recomputed) == {"always": 4, "never": 0, "except_last": 3}[checkpoint]
+        for inputs, kept in recomputed:
+            match = [k for i, k in forward if torch.equal(i, inputs)]
+            assert len(match) == 1 and torch.equal(match[0], kept)
+        dropped = torch.cat([k for _, k in forward])
+        assert 0.3 < dropped.double().mean() < 0.7  # dropout really dropped
+    for checkpoint in ["always", "except_last"]:
+        for a, b in zip(grads[checkpoint], grads["never"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_same_seed_same_masks_whatever_the_thread_timing() -> None:
+    x = torch.randn(16, 5, dtype=torch.float64)
+    runs = []
+    for _ in range(3):
+        torch.manual_seed(7)
+        runs.append(Pipe(mlp(dropout=0.5), [3, 3], CPU2, chunks=8)(x))
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+    torch.testing.assert_close(runs[2], runs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("balance", [[1, 3], [2, 2]])
+def test_in_place_first_layer_of_a_partition(checkpoint: str, balance: list[int]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    original = x.clone()
+    out = Pipe(model, balance, CPU2, chunks=3, checkpoint=checkpoint)(x)
+    out.pow(2).sum().backward()
+    expected = reference(original.clone())
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+    assert torch.equal(x, original)  # the pipeline gave the in-place layer a copy
+
+
+def test_inference_mode_output() -> None:
+    x = torch.randn(9, 5, dtype=torch.float64)
+    model = mlp()
+    expected = copy.deepcopy(model)(x)
+    with torch.inference_mode():
+        out = Pipe(model, [3, 3], CPU2, chunks=4)(x)
+    assert out.is_inference()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+
+
+def test_autocast_is_reentered_on_each_partition_thread() -> None:
+    model = mlp(dtype=torch.float32)
+    pipe = Pipe(model, [2, 2, 2], CPU3, chunks=3, checkpoint="always")
+    dtypes: list[torch.dtype] = []
+    model[5].register_forward_hook(lambda _, args, out: dtypes.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pipe(torch.randn(6, 5))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()  # recomputation in backward re-enters autocast too
+    assert dtypes == [torch.bfloat16] * 6
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_partitions_run_on_their_own_threads_concurrently() -> None:
+    barrier = threading.Barrier(2, timeout=10)
+    seen: dict[int, str] = {}
+
+    class Meet(nn.Module):
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.index = index
+
+        def forward(self, x: Tensor) -> Tensor:
+            seen[self.index] = threading.current_thread().name
+            if (self.index, int(x[0, 0])) in {(0, 2), (1, 0)}:
+                barrier.wait()  # micro-batch 1 on partition 0 and micro-batch 0 on partition 1 share cycle 1
+            return x
+
+    x = torch.tensor([[0.0] * 3, [0.0] * 3, [2.0] * 3, [2.0] * 3])  # micro-batches of 0s and of 2s
+    Pipe(nn.Sequential(Meet(0), Meet(1)), [1, 1], CPU2, chunks=2)(x)
+    assert seen[0] != seen[1] and all(name.startswith("gpipe-partition") for name in seen.values())
+
+
+# ---- DeferredBatchNorm ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_deferred_batchnorm_running_statistics_equal_full_batch_batchnorm(
+    checkpoint: str, momentum: float | None
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=momentum), nn.ReLU(), nn.Linear(4, 2)).double()
+    reference = copy.deepcopy(model)
+    DeferredBatchNorm.convert_deferred_batch_norm(model)
+    assert isinstance(model[1], DeferredBatchNorm)
+    pipe = Pipe(model, [2, 2], CPU2, chunks=4, checkpoint=checkpoint)
+    for _ in range(2):
+        x = torch.randn(11, 3, dtype=torch.float64) * 5 + 100  # |mean|/std = 20: the merge must be centered
+        pipe(x).sum().backward()
+        reference(x)
+    bn, full = model[1], reference[1]
+    assert int(bn.num_batches_tracked) == int(full.num_batches_tracked) == 2
+    torch.testing.assert_close(bn.running_mean, full.running_mean, rtol=0, atol=1e-10)
+    torch.testing.assert_close(bn.running_var, full.running_var, rtol=1e-12, atol=1e-10)
+    assert list(model.state_dict()) == list(reference.state_dict())  # the keys of plain BatchNorm
+    reverted = DeferredBatchNorm.revert_deferred_batch_norm(model)
+    assert type(reverted[1]) is nn.BatchNorm1d and reverted[1].running_mean is bn.running_mean
+
+
+def test_plain_batchnorm_is_not_updated_again_by_the_recomputation() -> None:
+    stats = {}
+    for checkpoint in ["always", "never"]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+        Pipe(model, [2, 1], CPU2, chunks=3, checkpoint=checkpoint)(
+            torch.randn(9, 3, dtype=torch.float64)
+        ).sum().backward()
+        stats[checkpoint] = (model[1].running_mean.clone(), int(model[1].num_batches_tracked))
+    assert stats["always"][1] == stats["never"][1] == 3  # once per micro-batch, not again in backward
+    torch.testing.assert_close(stats["always"][0], stats["never"][0], rtol=0, atol=0)
+
+
+# ---- balance ---------------------------------------------------------------------------------------------------------
+def test_balance_by_parameters_is_deterministic() -> None:
+    model = nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 10), nn.ReLU(), nn.Linear(10, 10))
+    assert balance_by_parameters(list(model), 2) == [1, 4]
+    assert balance_by_parameters(list(model), 3) == [1, 2, 2]  # ties broken toward the more even split
+
+
+def test_layer_times_leave_no_trace() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 1))
+    model[0].weight.grad = torch.ones(4, 4)
+    before = copy.deepcopy(model.state_dict())
+    sample = torch.randn(8, 4)
+    torch.manual_seed(3)
+    times = layer_times(list(model), sample, torch.device("cpu"), repeats=2)
+    after_rng = torch.rand(1)
+    torch.manual_seed(3)
+    assert torch.equal(after_rng, torch.rand(1))  # the global generator did not move
+    assert len(times) == 4 and all(t > 0 for t in times)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert torch.equal(model[0].weight.grad, torch.ones(4, 4)) and model[3].weight.grad is None
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"balance": [2, 2]}, ValueError, r"`balance` \[2, 2\] covers 4 layers, but the nn.Sequential has 6"),
+        ({"balance": [2, 2, 2], "devices": CPU2}, ValueError, "3 partitions but there are only 2 devices"),
+        ({"balance": [3, 0, 3]}, ValueError, "`balance` must hold"),
+        ({"balance": "3,3"}, TypeError, "`balance` must be a list of ints"),
+        ({"balance": [3.0, 3]}, TypeError, "`balance` must be a list of ints"),
+        ({"chunks": 0}, ValueError, "`chunks` must be at least 1"),
+        ({"chunks": 2.5}, TypeError, "`chunks` must be an int"),
+        ({"checkpoint": "sometimes"}, ValueError, "`checkpoint` must be one of"),
+    ],
+)
+def test_pipe_argument_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    settings: dict[str, Any] = {"balance": [3, 3], "devices": CPU3, "chunks": 2, "checkpoint": "never"}
+    settings.update(kwargs)
+    with pytest.raises(error, match=match):
+        Pipe(mlp(), settings.pop("balance"), **settings)
+
+
+def test_parameter_shared_between_partitions_is_an_error() -> None:
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    with pytest.raises(ValueError, match=r"`module\[0\]` and `module\[2\]` share a parameter .* change `balance`"):
+        Pipe(model, [2, 1], CPU2)
+    Pipe(nn.Sequential(shared, shared, nn.ReLU()), [2, 1], CPU2)  # same partition: fine
+
+
+def test_layer_returning_a_non_tensor_is_an_error_naming_the_layers() -> None:
+    class ReturnsShape(nn.Module):
+        def forward(self, x: Tensor) -> Any:
+            return x.shape[1]
+
+    class ReturnsPair(nn.Module):
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            return x, x
+
+    with pytest.raises(TypeError, match=r"`net\[1\]` \(ReturnsShape\) returned int, which holds no tensor"):
+        Pipe(nn.Sequential(nn.Linear(3, 3), ReturnsShape(), nn.Linear(3, 3)), [2, 1], CPU2, module_name="net")(
+            torch.randn(4, 3)
+        )
+    with pytest.raises(TypeError, match=r"`net\[2\]` \(Linear\) cannot take the tuple that `net\[1\]` returned"):
+        Pipe(nn.Sequential(nn.Linear(3, 3), ReturnsPair(), nn.Linear(3, 3)), [1, 2], CPU2, module_name="net")(
+            torch.randn(4, 3)
+        )
+
+
+def test_error_in_a_partition_names_it_and_the_pipe_stays_usable() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(5, 2))
+    pipe = Pipe(model, [1, 1], CPU2, chunks=2)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as info:
+        pipe(torch.randn(4, 3))
+    assert any("gpipe partition 1" in note for note in getattr(info.value, "__notes__", ["gpipe partition 1"]))
+    model[1] = nn.Linear(4, 2)
+    pipe2 = Pipe(model, [1, 1], CPU2, chunks=2)
+    assert pipe2(torch.randn(4, 3)).shape == (4, 2)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------------------
+@RunIf(min_cuda_gpus=2)
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_cuda_two_devices_equal_the_unpipelined_model(checkpoint: str) -> None:
+    devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+    torch.manual_seed(1)
+    batches = [(torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)) for _ in range(2)]
+    reference = sgd_steps(mlp().cuda(0), [(x.cuda(0), y.cuda(0)) for x, y in batches])
+    pipe = Pipe(mlp(), [3, 3], devices, chunks=4, checkpoint=checkpoint)
+    pipe.place()
+    assert pipe[0].weight.device == devices[0] and pipe[5].weight.device == devices[1]
+    pipelined = sgd_steps(pipe, [(x.cuda(0), y.cuda(0)) for x, y in batches])
+    for key in reference[1]:
+        torch.testing.assert_close(pipelined[1][key].cuda(0), reference[1][key], rtol=0, atol=1e-10)
+
+
+@RunIf(min_cuda_gpus=2)
+def test_cuda_dropout_recompute_and_deferred_batchnorm() -> None:
+    devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+    grads = {}
+    for checkpoint in ["always", "never"]:
+        model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2)).double()
+        DeferredBatchNorm.convert_deferred_batch_norm(model)
+        pipe = Pipe(model, [2, 2], devices, chunks=3, checkpoint=checkpoint)
+        pipe.place()
+        torch.manual_seed(5)
+        pipe(torch.randn(9, 5, dtype=torch.float64, device="cuda:0")).sum().backward()
+        grads[checkpoint] = [p.grad.cpu() for p in model.parameters()]
+    for a, b in zip(grads["always"], grads["never"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
