@@ -1,14 +1,30 @@
 """Build of the compiled operators ``lightning_balanced._C``; all metadata lives in pyproject.toml.
 
-* default: a ``CppExtension`` (CPU kernels, autocast registration);
-* a ``CUDAExtension`` (adds ``csrc/cuda/*.cu``) when torch was built with CUDA and ``CUDA_HOME`` is set,
-  or when ``FORCE_CUDA=1``;
-* ``LIGHTNING_BALANCED_NO_EXT=1`` builds no extension; the ops then fall back to pure PyTorch (and say so).
+Build against the installed torch: ``pip install --no-build-isolation -e ".[test]"``. One switch picks the build:
 
-Build against the installed torch: ``pip install --no-build-isolation -e ".[test]"``.
+* ``LIGHTNING_BALANCED_CUDA=auto`` (default): CPU kernels always; CUDA kernels too when torch is a CUDA build *and* a
+  usable CUDA toolkit is found (``nvcc`` runs, the toolkit has the CUDA runtime library and headers, and its major
+  version is torch's). A toolkit that looks broken gives a CPU-only build and a warning, never a failed install.
+* ``LIGHTNING_BALANCED_CUDA=1`` (``FORCE_CUDA=1`` is an alias): CPU + CUDA kernels, or fail naming what is missing.
+* ``LIGHTNING_BALANCED_CUDA=0``: CPU kernels only.
+* ``LIGHTNING_BALANCED_NO_EXT=1``: no extension at all; the ops fall back to pure PyTorch (and warn once).
+
+The toolkit is ``CUDA_HOME`` (or ``CUDA_PATH``) when set, else the directory of ``nvcc``'s real executable (symlinks
+and wrapper scripts followed, as ``nvcc`` itself reports it), else ``/usr/local/cuda``. torch's own guess, the parent
+of the directory holding ``nvcc`` on the PATH, is wrong when that is a symlink or wrapper outside the toolkit.
+Architectures: ``TORCH_CUDA_ARCH_LIST`` when set, else the visible GPUs' (torch's rule), else, with no GPU visible,
+the architectures the installed torch was built for that this ``nvcc`` can compile (as torchvision and mmcv fall back
+to a default list).
 """
 
+from __future__ import annotations
+
 import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 from setuptools import setup
@@ -16,37 +32,182 @@ from setuptools import setup
 ROOT = Path(__file__).parent
 PY_LIMITED_API = "cp310"  # the stable-ABI floor, matching requires-python
 PY_LIMITED_API_HEX = "0x030A0000"
+SWITCH = "LIGHTNING_BALANCED_CUDA"
 
 
-def _extensions():
-    if os.environ.get("LIGHTNING_BALANCED_NO_EXT", "0") == "1":
-        return [], {}
+class ToolkitError(Exception):
+    """The CUDA toolkit is missing or unusable; the message names the missing piece."""
+
+
+def _say(message: str) -> None:
+    print(f"lightning_balanced: {message}", file=sys.stderr, flush=True)
+
+
+def _cuda_mode() -> str:
+    """``"auto"``, ``"0"`` or ``"1"`` from ``LIGHTNING_BALANCED_CUDA`` (``FORCE_CUDA=1`` is an alias of ``1``)."""
+    mode = os.environ.get(SWITCH, "").strip().lower()
+    if not mode:
+        return "1" if os.environ.get("FORCE_CUDA", "0") == "1" else "auto"
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"lightning_balanced: {SWITCH} must be auto, 0 or 1, got {mode!r}")
+    return mode
+
+
+def _run(*cmd: str) -> str:
+    """The output (stdout, then stderr) of a command that must succeed within a minute."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout + done.stderr
+
+
+def _nvcc_reported_home(nvcc: str) -> Path | None:
+    """The toolkit directory as ``nvcc`` itself reports it (``_HERE_`` of a dry run is its real ``bin``)."""
+    try:
+        out = _run(nvcc, "--dryrun", "-v", "-x", "cu", "-c", os.devnull, "-o", os.devnull)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"^#\$ _HERE_=(.+)$", out, re.MULTILINE)
+    return Path(found.group(1).strip()).parent if found else None
+
+
+def _toolkit_candidates() -> list[tuple[Path, str]]:
+    """Where the toolkit may be, in order, each with where that guess comes from."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return [(Path(os.environ[var]), var)]  # an explicit choice is the only candidate
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc is not None:
+        candidates.append((Path(os.path.realpath(nvcc)).parent.parent, f"the real path of {nvcc}"))
+        reported = _nvcc_reported_home(nvcc)
+        if reported is not None:
+            candidates.append((reported, f"{nvcc} --dryrun"))
+    candidates.append((Path("/usr/local/cuda"), "the default location"))
+    return candidates
+
+
+def _check_toolkit(home: Path) -> str:
+    """The toolkit's ``major.minor`` version; raises :class:`ToolkitError` naming what is missing."""
+    nvcc = home / "bin" / ("nvcc.exe" if os.name == "nt" else "nvcc")
+    if not nvcc.exists():
+        raise ToolkitError(f"no nvcc at {nvcc}")
+    if not (home / "include" / "cuda_runtime.h").exists():
+        raise ToolkitError(f"no CUDA runtime headers (include/cuda_runtime.h) in {home}")
+    lib_dirs = [home / "lib64", home / "lib", home / "lib" / "x64"]
+    if not any(p.name.startswith(("libcudart.so", "cudart.lib")) for d in lib_dirs if d.is_dir() for p in d.iterdir()):
+        raise ToolkitError(f"no CUDA runtime library (libcudart) in {', '.join(str(d) for d in lib_dirs)}")
+    try:
+        version = re.search(r"release (\d+\.\d+)", _run(str(nvcc), "--version"))
+    except (OSError, subprocess.SubprocessError) as err:
+        raise ToolkitError(f"{nvcc} --version failed: {err}") from err
+    if version is None:
+        raise ToolkitError(f"{nvcc} --version printed no release number")
+    return version.group(1)
+
+
+def _find_toolkit(torch_cuda: str) -> tuple[Path, str]:
+    """The first usable toolkit whose major version is torch's; raises :class:`ToolkitError` saying why none is."""
+    problems = []
+    for home, source in _toolkit_candidates():
+        try:
+            version = _check_toolkit(home)
+        except ToolkitError as err:
+            problems.append(f"{home} (from {source}): {err}")
+            continue
+        if version.split(".")[0] != torch_cuda.split(".")[0]:
+            problems.append(f"{home} (from {source}): CUDA {version}, but torch was built with CUDA {torch_cuda}")
+            continue
+        return home, version
+    raise ToolkitError("no usable CUDA toolkit: " + "; ".join(problems))
+
+
+def _default_arch_list(nvcc: Path) -> str:
+    """The architectures of torch's build that ``nvcc`` can compile, as ``TORCH_CUDA_ARCH_LIST`` (newest also PTX)."""
     import torch
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-    use_cuda = os.environ.get("FORCE_CUDA", "0") == "1" or (torch.version.cuda is not None and CUDA_HOME is not None)
+    try:
+        supported = set(re.findall(r"compute_(\d+)", _run(str(nvcc), "--list-gpu-arch")))
+    except (OSError, subprocess.SubprocessError):
+        supported = set()
+    archs = []
+    for arch in torch.cuda.get_arch_list():
+        number = re.fullmatch(r"sm_(\d+)([a-z]?)", arch)
+        if number is None or (supported and number.group(1) not in supported):
+            continue
+        digits, suffix = number.groups()
+        archs.append(f"{digits[:-1]}.{digits[-1]}{suffix}")
+    if not archs:
+        raise ToolkitError(
+            f"none of torch's CUDA architectures {torch.cuda.get_arch_list()} can be compiled by {nvcc}; "
+            "set TORCH_CUDA_ARCH_LIST"
+        )
+    return ";".join([*archs[:-1], archs[-1] + "+PTX"])
+
+
+def _plan_cuda(mode: str) -> bool:
+    """Decide on the CUDA kernels; set ``CUDA_HOME`` and ``TORCH_CUDA_ARCH_LIST`` for torch when building them."""
+    import torch
+
+    if mode == "0":
+        _say(f"building CPU kernels only ({SWITCH}=0; torch {torch.__version__})")
+        return False
+    if torch.version.cuda is None:
+        if mode == "1":
+            raise SystemExit(
+                f"lightning_balanced: {SWITCH}=1 (or FORCE_CUDA=1) asks for CUDA kernels, but torch "
+                f"{torch.__version__} is a CPU build. Install a CUDA build of torch, or set {SWITCH}=0."
+            )
+        _say(f"building CPU kernels only (torch {torch.__version__} is a CPU build)")
+        return False
+    try:
+        home, version = _find_toolkit(torch.version.cuda)
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = _default_arch_list(home / "bin" / "nvcc")
+    except ToolkitError as err:
+        if mode == "1":
+            raise SystemExit(
+                f"lightning_balanced: {SWITCH}=1 (or FORCE_CUDA=1) asks for CUDA kernels, but {err}. Set CUDA_HOME "
+                f"to the toolkit directory, or {SWITCH}=0 for the CPU kernels only."
+            ) from err
+        warnings.warn(
+            f"lightning_balanced: building CPU kernels only: torch {torch.__version__} has CUDA, but {err}. "
+            f"Set CUDA_HOME to a CUDA {torch.version.cuda.split('.')[0]}.x toolkit to build the CUDA kernels, or "
+            f"{SWITCH}=0 to silence this.",
+            stacklevel=1,
+        )
+        return False
+    os.environ["CUDA_HOME"] = str(home)  # read by torch.utils.cpp_extension on import
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or "those of the visible GPUs"
+    _say(f"building CPU + CUDA kernels (torch {torch.__version__}, CUDA {version} at {home}, archs {archs})")
+    return True
+
+
+def _extensions() -> tuple[list, dict]:
+    if os.environ.get("LIGHTNING_BALANCED_NO_EXT", "0") == "1":
+        _say("building no extension (LIGHTNING_BALANCED_NO_EXT=1); the ops will run a pure-PyTorch fallback")
+        return [], {}
+    use_cuda = _plan_cuda(_cuda_mode())
+    from torch.utils import cpp_extension
+
     csrc = Path("csrc")
     sources = [str(csrc / "nms.cpp"), str(csrc / "cpu" / "nms_kernel.cpp"), str(csrc / "autocast" / "nms_autocast.cpp")]
     cxx_flags = ["-O3", "-ffp-contract=off", f"-DPy_LIMITED_API={PY_LIMITED_API_HEX}"]
     extra_compile_args = {"cxx": cxx_flags}
-    extension = CppExtension
+    extension = cpp_extension.CppExtension
     if use_cuda:
+        cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]  # in case cpp_extension was imported before we chose
         sources.append(str(csrc / "cuda" / "nms_kernel.cu"))
-        extra_compile_args["nvcc"] = ["-O3", "--fmad=false", "-DLIGHTNING_BALANCED_WITH_CUDA"]
+        # --threads 0: nvcc compiles the architectures in parallel, one per core
+        extra_compile_args["nvcc"] = ["-O3", "--fmad=false", "--threads", "0", "-DLIGHTNING_BALANCED_WITH_CUDA"]
         cxx_flags.append("-DLIGHTNING_BALANCED_WITH_CUDA")
-        extension = CUDAExtension
-    ext = extension(
-        "lightning_balanced._C",
-        sources,
-        extra_compile_args=extra_compile_args,
-        py_limited_api=True,
+        extension = cpp_extension.CUDAExtension
+    ext = extension("lightning_balanced._C", sources, extra_compile_args=extra_compile_args, py_limited_api=True)
+    return [ext], {"build_ext": cpp_extension.BuildExtension}
+
+
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its functions without building
+    ext_modules, cmdclass = _extensions()
+    setup(
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+        options={"bdist_wheel": {"py_limited_api": PY_LIMITED_API}} if ext_modules else {},
     )
-    return [ext], {"build_ext": BuildExtension}
-
-
-ext_modules, cmdclass = _extensions()
-setup(
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    options={"bdist_wheel": {"py_limited_api": PY_LIMITED_API}} if ext_modules else {},
-)
