@@ -49,7 +49,6 @@ namespace {
 
 constexpr int kLanes = 8;               // boxes per block (one AVX register of float32)
 constexpr int64_t kNoGridBelow = 48;    // segments with fewer active boxes scan one kept list
-constexpr int64_t kMaxCellsPerBox = 8;  // boxes covering more cells go to the "large" list
 constexpr int32_t kNone = -1;
 
 // ----------------------------------------------------------------------------------------------
@@ -225,13 +224,39 @@ struct List {
   int32_t fill = kLanes;  // lanes used in the tail block
 };
 
+// One level of the multi-level grid: the active boxes of one size class (largest side within a factor
+// of 2), in a uniform grid whose cells are about twice that class's largest box, so a box of the level
+// covers at most 2 x 2 cells. Cells of all levels live in Workspace::cells from `cell_base` on.
+struct Level {
+  int64_t count = 0;        // active boxes assigned to this level
+  double max_w = 0.0, max_h = 0.0;
+  double min_area = std::numeric_limits<double>::infinity();
+  double max_area = -std::numeric_limits<double>::infinity();
+  bool gridable = false;    // false for boxes with an infinite side
+  bool grid = false;        // false: the level is scanned through `all` only
+  int64_t nx = 1, ny = 1;
+  double inv_cw = 0.0, inv_ch = 0.0;
+  int64_t cell_base = 0;
+  List all;                 // every kept box of this level
+  int64_t all_blocks = 0;   // blocks in `all`
+};
+
 template <typename T>
 struct Workspace {
   std::vector<Block<T>> pool;
   std::vector<List> cells;
+  std::vector<Level> levels;
+  std::vector<int32_t> active_levels;  // ids of non-empty levels
+  std::vector<int32_t> level_of;       // level of each box of the segment (kInactive: degenerate)
   // SoA copies of one segment, in decreasing score order.
   std::vector<T> x1, y1, x2, y2, area;
 };
+
+constexpr int32_t kInactive = -1;
+constexpr int kMaxClasses = 24;     // size classes per axis, by factors of 2; the smallest ones share class 0
+constexpr double kCellScale = 2.0;  // cell side / largest box side of the level
+constexpr double kCellsPerBox = 2.0;
+constexpr double kBoxesPerCell = 8.0;  // a level has at most max(64, this * count) cells
 
 template <typename T>
 LB_ALWAYS_INLINE void list_append(std::vector<Block<T>>& pool, List& list, const Candidate<T>& c) {
@@ -273,8 +298,18 @@ LB_ALWAYS_INLINE bool list_suppresses(const std::vector<Block<T>>& pool, const L
   return false;
 }
 
+// Cell of coordinate v: monotone in v, so boxes whose [x1, x2 + offset] intervals intersect share a cell.
+LB_ALWAYS_INLINE int64_t cell_of(double v, double origin, double inv, int64_t count) {
+  const double f = std::floor((v - origin) * inv);
+  return static_cast<int64_t>(std::min(std::max(f, 0.0), static_cast<double>(count - 1)));
+}
+
 // Greedy NMS of one segment (boxes already in decreasing score order, in ws.x1 ... ws.area).
 // Writes keep[i] = 1 for kept boxes and 0 for suppressed ones.
+//
+// Kept boxes are stored in a multi-level grid: one uniform grid per size class. A candidate looks, in each
+// level, at the cells it overlaps, or at the level's whole list when that is fewer blocks. Two pruning rules
+// skip levels whose boxes cannot suppress the candidate, both exact in floating point (see size_prunes).
 template <typename T>
 LB_ALWAYS_INLINE void nms_segment_impl(Workspace<T>& ws, int64_t n, T thr, T off, uint8_t* keep) {
   const T* x1 = ws.x1.data();
@@ -288,97 +323,159 @@ LB_ALWAYS_INLINE void nms_segment_impl(Workspace<T>& ws, int64_t n, T thr, T off
   // Boxes whose own width or height ((x2 - x1) + offset) is <= 0 cannot intersect anything with
   // w > 0 (rounding is monotone), so they are always kept and never suppress: skip them.
   const double doff = static_cast<double>(off);
+  const double inf = std::numeric_limits<double>::infinity();
   int64_t n_active = 0;
-  double gx0 = std::numeric_limits<double>::infinity(), gy0 = gx0;
-  double gx1 = -gx0, gy1 = -gx0, sum_w = 0.0, sum_h = 0.0;
+  double gx0 = inf, gy0 = inf, gx1 = -inf, gy1 = -inf;
+  double min_side = inf, max_side = 0.0;  // largest side (w or h) of a box, over the finite ones
+  auto& level_of = ws.level_of;
+  level_of.assign(n, kInactive);
   for (int64_t i = 0; i < n; ++i) {
     const T w = (x2[i] - x1[i]) + off;
     const T h = (y2[i] - y1[i]) + off;
     if (w > T(0) && h > T(0)) {
       ++n_active;
+      level_of[i] = 0;
       gx0 = std::min(gx0, static_cast<double>(x1[i]));
       gy0 = std::min(gy0, static_cast<double>(y1[i]));
       gx1 = std::max(gx1, static_cast<double>(x2[i]) + doff);
       gy1 = std::max(gy1, static_cast<double>(y2[i]) + doff);
-      sum_w += static_cast<double>(w);
-      sum_h += static_cast<double>(h);
+      const double side = std::max(static_cast<double>(w), static_cast<double>(h));
+      if (std::isfinite(side)) {
+        min_side = std::min(min_side, side);
+        max_side = std::max(max_side, side);
+      }
     }
   }
 
-  // Grid geometry: cells about the mean box size, at most ~n_active cells in all.
-  int64_t nx = 1, ny = 1;
-  double inv_cw = 0.0, inv_ch = 0.0;
-  if (n_active >= kNoGridBelow) {
-    const double range_x = gx1 - gx0, range_y = gy1 - gy0;
-    double cw = sum_w / static_cast<double>(n_active);
-    double ch = sum_h / static_cast<double>(n_active);
-    if (range_x > 0 && range_y > 0 && cw > 0 && ch > 0 && std::isfinite(range_x) && std::isfinite(range_y)) {
-      const double max_cells = static_cast<double>(n_active);
-      double fx = std::floor(range_x / cw) + 1.0, fy = std::floor(range_y / ch) + 1.0;
-      if (fx * fy > max_cells) {
-        const double s = std::sqrt(fx * fy / max_cells);
-        cw *= s;
-        ch *= s;
-        fx = std::floor(range_x / cw) + 1.0;
-        fy = std::floor(range_y / ch) + 1.0;
-      }
-      if (fx * fy <= 4.0 * max_cells && std::isfinite(1.0 / cw) && std::isfinite(1.0 / ch)) {
-        nx = static_cast<int64_t>(fx);
-        ny = static_cast<int64_t>(fy);
-        inv_cw = 1.0 / cw;
-        inv_ch = 1.0 / ch;
-      }
+  // Size classes: level k holds the boxes whose largest side is in (max_side / 2^(K-k), max_side / 2^(K-1-k)];
+  // the smallest classes share level 0; boxes with an infinite side get level K, which has no grid.
+  int num_classes = 1;
+  if (n_active >= kNoGridBelow && max_side > 0.0) {
+    const double ratio = max_side / min_side;
+    num_classes = std::isfinite(ratio) ? static_cast<int>(std::ceil(std::log2(ratio))) + 1 : kMaxClasses;
+    num_classes = std::max(1, std::min(kMaxClasses, num_classes));
+  }
+  const int num_levels = num_classes + 1;
+  auto& levels = ws.levels;
+  auto& active_levels = ws.active_levels;
+  levels.assign(num_levels, Level{});
+  for (int64_t i = 0; i < n; ++i) {
+    if (level_of[i] == kInactive) continue;
+    const double w = static_cast<double>((x2[i] - x1[i]) + off);
+    const double h = static_cast<double>((y2[i] - y1[i]) + off);
+    const double side = std::max(w, h);
+    int lv = num_classes;
+    if (std::isfinite(side)) {
+      const double down = std::floor(std::log2(max_side / side));  // 0 for the largest class
+      lv = num_classes - 1 - static_cast<int>(std::min(std::max(down, 0.0), static_cast<double>(num_classes - 1)));
+    }
+    level_of[i] = lv;
+    Level& L = levels[lv];
+    L.gridable = lv < num_classes;
+    ++L.count;
+    L.max_w = std::max(L.max_w, w);
+    L.max_h = std::max(L.max_h, h);
+    const double a = static_cast<double>(area[i]);
+    L.min_area = std::min(L.min_area, a);
+    L.max_area = std::max(L.max_area, a);
+  }
+
+  // Grid geometry of each level, over the bounding box of all active boxes.
+  int64_t total_cells = 0;
+  active_levels.clear();
+  const double range_x = gx1 - gx0, range_y = gy1 - gy0;
+  for (int lv = 0; lv < num_levels; ++lv) {
+    Level& L = levels[lv];
+    if (L.count == 0) continue;
+    active_levels.push_back(lv);
+    if (!L.gridable || n_active < kNoGridBelow) continue;
+    double cw = L.max_w * kCellScale, ch = L.max_h * kCellScale;
+    if (!(range_x > 0 && range_y > 0 && cw > 0 && ch > 0 && std::isfinite(range_x) && std::isfinite(range_y) &&
+          std::isfinite(cw) && std::isfinite(ch))) {
+      continue;
+    }
+    const double max_cells = std::max(64.0, kCellsPerBox * static_cast<double>(L.count));
+    const double min_cells = static_cast<double>(L.count) / kBoxesPerCell;
+    double fx = std::floor(range_x / cw) + 1.0, fy = std::floor(range_y / ch) + 1.0;
+    if (fx * fy < min_cells) {  // dense level (e.g. many long thin boxes): smaller cells, about kBoxesPerCell each
+      const double s = std::sqrt(fx * fy / min_cells);
+      cw *= s;
+      ch *= s;
+      fx = std::floor(range_x / cw) + 1.0;
+      fy = std::floor(range_y / ch) + 1.0;
+    }
+    if (fx * fy > max_cells) {
+      const double s = std::sqrt(fx * fy / max_cells);
+      cw *= s;
+      ch *= s;
+      fx = std::floor(range_x / cw) + 1.0;
+      fy = std::floor(range_y / ch) + 1.0;
+    }
+    if (fx * fy <= 4.0 * max_cells && fx * fy > 1.0 && std::isfinite(1.0 / cw) && std::isfinite(1.0 / ch)) {
+      L.grid = true;
+      L.nx = static_cast<int64_t>(fx);
+      L.ny = static_cast<int64_t>(fy);
+      L.inv_cw = 1.0 / cw;
+      L.inv_ch = 1.0 / ch;
+      L.cell_base = total_cells;
+      total_cells += L.nx * L.ny;
     }
   }
-  const bool use_grid = nx * ny > 1;
   auto& cells = ws.cells;
-  cells.assign(use_grid ? static_cast<size_t>(nx * ny) : 0, List{});
-  List all;    // every kept box
-  List large;  // kept boxes covering more than kMaxCellsPerBox cells
-  // Monotone in v, so intersecting boxes share at least one cell.
-  auto cell_of = [](double v, double origin, double inv, int64_t count) {
-    const double f = std::floor((v - origin) * inv);
-    return static_cast<int64_t>(std::min(std::max(f, 0.0), static_cast<double>(count - 1)));
+  cells.assign(static_cast<size_t>(total_cells), List{});
+
+  // A box of area a_s can suppress one of area a_b >= a_s only if a_s > thr * a_b (IoU <= a_s / a_b). In the
+  // kernel's rounding, inter <= a_s and union >= a_b * (1 - 3 eps), so requiring a margin of 1e-5 keeps the
+  // rule exact; with thr = 0 nothing is pruned.
+  const double dthr = static_cast<double>(thr);
+  const double prune_thr = dthr * (1.0 - 1e-5);
+  auto size_prunes = [&](const Level& L, double a) {
+    return prune_thr > 0.0 && (L.max_area < prune_thr * a || a < prune_thr * L.min_area);
   };
 
   for (int64_t i = 0; i < n; ++i) {
-    const Candidate<T> c{x1[i], y1[i], x2[i], y2[i], area[i], thr, off};
-    const T w = (c.x2 - c.x1) + off;
-    const T h = (c.y2 - c.y1) + off;
-    if (!(w > T(0) && h > T(0))) {
+    const int own = level_of[i];
+    if (own == kInactive) {
       keep[i] = 1;
       continue;
     }
-    if (!use_grid) {
-      const bool suppressed = list_suppresses(pool, all, c);
-      keep[i] = suppressed ? 0 : 1;
-      if (!suppressed) list_append(pool, all, c);
-      continue;
-    }
-    const int64_t cx0 = cell_of(static_cast<double>(c.x1), gx0, inv_cw, nx);
-    const int64_t cx1 = cell_of(static_cast<double>(c.x2) + doff, gx0, inv_cw, nx);
-    const int64_t cy0 = cell_of(static_cast<double>(c.y1), gy0, inv_ch, ny);
-    const int64_t cy1 = cell_of(static_cast<double>(c.y2) + doff, gy0, inv_ch, ny);
-    const bool is_large = (cx1 - cx0 + 1) * (cy1 - cy0 + 1) > kMaxCellsPerBox;
-    bool suppressed;
-    if (is_large) {
-      suppressed = list_suppresses(pool, all, c);
-    } else {
-      suppressed = list_suppresses(pool, large, c);
-      for (int64_t cy = cy0; cy <= cy1 && !suppressed; ++cy) {
-        for (int64_t cx = cx0; cx <= cx1 && !suppressed; ++cx) {
-          suppressed = list_suppresses(pool, cells[cy * nx + cx], c);
-        }
+    const Candidate<T> c{x1[i], y1[i], x2[i], y2[i], area[i], thr, off};
+    const double a = static_cast<double>(c.area);
+    const double cx1d = static_cast<double>(c.x1), cy1d = static_cast<double>(c.y1);
+    const double cx2d = static_cast<double>(c.x2) + doff, cy2d = static_cast<double>(c.y2) + doff;
+    bool suppressed = false;
+    // The candidate's own level first (the likeliest suppressors), then the others.
+    for (size_t k = 0; k <= active_levels.size() && !suppressed; ++k) {
+      const int lv = k == 0 ? own : active_levels[k - 1];
+      if (k > 0 && lv == own) continue;
+      const Level& L = levels[lv];
+      if (L.all.head == kNone || size_prunes(L, a)) continue;
+      if (!L.grid) {
+        suppressed = list_suppresses(pool, L.all, c);
+        continue;
+      }
+      const int64_t qx0 = cell_of(cx1d, gx0, L.inv_cw, L.nx), qx1 = cell_of(cx2d, gx0, L.inv_cw, L.nx);
+      const int64_t qy0 = cell_of(cy1d, gy0, L.inv_ch, L.ny), qy1 = cell_of(cy2d, gy0, L.inv_ch, L.ny);
+      if ((qx1 - qx0 + 1) * (qy1 - qy0 + 1) > L.all_blocks) {
+        suppressed = list_suppresses(pool, L.all, c);
+        continue;
+      }
+      for (int64_t cy = qy0; cy <= qy1 && !suppressed; ++cy) {
+        const List* row = cells.data() + L.cell_base + cy * L.nx;
+        for (int64_t cx = qx0; cx <= qx1 && !suppressed; ++cx) suppressed = list_suppresses(pool, row[cx], c);
       }
     }
     keep[i] = suppressed ? 0 : 1;
     if (suppressed) continue;
-    list_append(pool, all, c);
-    if (is_large) {
-      list_append(pool, large, c);
-    } else {
-      for (int64_t cy = cy0; cy <= cy1; ++cy) {
-        for (int64_t cx = cx0; cx <= cx1; ++cx) list_append(pool, cells[cy * nx + cx], c);
+    Level& L = levels[own];
+    if (L.all.fill == kLanes) ++L.all_blocks;
+    list_append(pool, L.all, c);
+    if (L.grid) {
+      const int64_t qx0 = cell_of(cx1d, gx0, L.inv_cw, L.nx), qx1 = cell_of(cx2d, gx0, L.inv_cw, L.nx);
+      const int64_t qy0 = cell_of(cy1d, gy0, L.inv_ch, L.ny), qy1 = cell_of(cy2d, gy0, L.inv_ch, L.ny);
+      for (int64_t cy = qy0; cy <= qy1; ++cy) {
+        List* row = cells.data() + L.cell_base + cy * L.nx;
+        for (int64_t cx = qx0; cx <= qx1; ++cx) list_append(pool, row[cx], c);
       }
     }
   }
