@@ -111,8 +111,9 @@ def combine_moments(count: Tensor, mean: Tensor, m2: Tensor) -> Moments:
         m2 (Tensor[K, *]): per-part centered sums of squares, same shape as ``mean``.
 
     Returns:
-        Moments: ``count`` 0-dim (the total), ``mean`` and ``m2`` of shape ``mean.shape[1:]``; if the total count is
-        0, mean and M2 are 0. Differentiable with respect to ``mean`` and ``m2`` (and ``count``).
+        Moments: ``count`` 0-dim (the total), ``mean`` and ``m2`` of shape ``mean.shape[1:]`` in the promoted dtype of
+        ``count`` and ``mean``; if the total count is 0, mean and M2 are 0. Differentiable with respect to ``mean``
+        and ``m2`` (and ``count``).
 
     Raises:
         ValueError: shapes that do not line up (``count`` not 1-D, ``mean`` and ``m2`` of different shapes or with a
