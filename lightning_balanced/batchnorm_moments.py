@@ -89,7 +89,9 @@ def batch_moments(input: Tensor, dim: Sequence[int], *, dtype: torch.dtype | Non
     shift = input.detach().mean(dim=dims, keepdim=True)
     centered = input - shift
     sum_d = centered.sum(dim=dims).to(acc_dtype)
-    sum_d2 = centered.square().sum(dim=dims).to(acc_dtype)
+    # Outside autograd, square in place: one temporary the size of input instead of two.
+    squared = centered.square() if centered.requires_grad else centered.square_()
+    sum_d2 = squared.sum(dim=dims).to(acc_dtype)
     mean = shift.squeeze(dims).to(acc_dtype) + sum_d / count
     m2 = (sum_d2 - sum_d * sum_d / count).clamp_min(0.0)
     return Moments(count_t, mean, m2)
@@ -109,8 +111,9 @@ def combine_moments(count: Tensor, mean: Tensor, m2: Tensor) -> Moments:
         m2 (Tensor[K, *]): per-part centered sums of squares, same shape as ``mean``.
 
     Returns:
-        Moments: ``count`` 0-dim (the total), ``mean`` and ``m2`` of shape ``mean.shape[1:]``; if the total count is
-        0, mean and M2 are 0. Differentiable with respect to ``mean`` and ``m2`` (and ``count``).
+        Moments: ``count`` 0-dim (the total), ``mean`` and ``m2`` of shape ``mean.shape[1:]`` in the promoted dtype of
+        ``count`` and ``mean``; if the total count is 0, mean and M2 are 0. Differentiable with respect to ``mean``
+        and ``m2`` (and ``count``).
 
     Raises:
         ValueError: shapes that do not line up (``count`` not 1-D, ``mean`` and ``m2`` of different shapes or with a
