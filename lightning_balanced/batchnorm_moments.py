@@ -89,7 +89,9 @@ def batch_moments(input: Tensor, dim: Sequence[int], *, dtype: torch.dtype | Non
     shift = input.detach().mean(dim=dims, keepdim=True)
     centered = input - shift
     sum_d = centered.sum(dim=dims).to(acc_dtype)
-    sum_d2 = centered.square().sum(dim=dims).to(acc_dtype)
+    # Outside autograd, square in place: one temporary the size of input instead of two.
+    squared = centered.square() if centered.requires_grad else centered.square_()
+    sum_d2 = squared.sum(dim=dims).to(acc_dtype)
     mean = shift.squeeze(dims).to(acc_dtype) + sum_d / count
     m2 = (sum_d2 - sum_d * sum_d / count).clamp_min(0.0)
     return Moments(count_t, mean, m2)

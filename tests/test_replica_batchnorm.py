@@ -29,6 +29,7 @@ from lightning_balanced.parallel.sync_batchnorm import (
     convert_replica_batchnorm,
     revert_replica_batchnorm,
 )
+from tests.helpers import RunIf
 
 _CPU = torch.device("cpu")
 _TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -114,14 +115,17 @@ def _reference_steps(model: nn.Module, case: Case) -> list[dict[str, Any]]:
     return steps
 
 
-def _replica_forward(model: nn.Module, x: torch.Tensor, chunk_sizes: tuple[int, ...]) -> torch.Tensor:
-    """One data-parallel forward: replicate, attach a step, run the replicas in threads, concatenate."""
-    devices = [_CPU] * len(chunk_sizes)
+def _replica_forward(
+    model: nn.Module, x: torch.Tensor, chunk_sizes: tuple[int, ...], devices: list[torch.device] | None = None
+) -> torch.Tensor:
+    """One data-parallel forward: replicate, attach a step, run the replicas in threads, concatenate on x's device."""
+    devices = devices or [_CPU] * len(chunk_sizes)
     replicas = replicate(model, devices, detach=not torch.is_grad_enabled())
     step = SyncBatchNormStep(chunk_sizes, timeout=30)
     attach_step(replicas, step)
-    outputs = parallel_apply(replicas, [(c,) for c in x.split(list(chunk_sizes))], [{}] * len(replicas), devices)
-    return torch.cat(outputs)
+    chunks = [(c.to(d),) for c, d in zip(x.split(list(chunk_sizes)), devices, strict=True)]
+    outputs = parallel_apply(replicas, chunks, [{}] * len(replicas), devices)
+    return torch.cat([out.to(x.device) for out in outputs])
 
 
 def _replica_steps(model: nn.Module, case: Case) -> list[dict[str, Any]]:
@@ -187,6 +191,32 @@ def test_replicas_on_uneven_chunks_match_full_batch_batchnorm(case: Case) -> Non
     for key, value in reference_model.state_dict().items():
         _close(restored.state_dict()[key], value, f"restored {key}")
     assert not restored[1].training
+
+
+@RunIf(min_cuda_gpus=2)
+def test_replicas_on_two_gpus_match_full_batch_batchnorm() -> None:
+    # The statistics cross devices inside autograd (Tensor.to); backward runs in the engine's per-device threads.
+    case = Case("2d", (3, 1), momentum=None)
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    reference_model = _model(case)
+    model = convert_replica_batchnorm(copy.deepcopy(reference_model)).to(devices[0])
+    reference_model.to(devices[0])
+    for step in range(_STEPS):
+        x, grad = (t.to(devices[0]) for t in _data(case, step))
+        x_ref = x.clone().requires_grad_(True)
+        y_ref = reference_model(x_ref)
+        (y_ref * grad).sum().backward()
+        x.requires_grad_(True)
+        y = _replica_forward(model, x, case.chunk_sizes, devices)
+        (y * grad).sum().backward()
+        _close(y, y_ref, f"step {step} output")
+        _close(x.grad, x_ref.grad, f"step {step} input grad")
+        for (name, p), p_ref in zip(model.named_parameters(), reference_model.parameters(), strict=True):
+            _close(p.grad, p_ref.grad, f"step {step} {name} grad")
+        for (key, value), ref in zip(model.state_dict().items(), reference_model.state_dict().values(), strict=True):
+            _close(value.double(), ref.double(), f"step {step} {key}")
+        model.zero_grad(set_to_none=True)
+        reference_model.zero_grad(set_to_none=True)
 
 
 def test_float32_at_large_mean_over_std_stays_within_10x_of_torch_batchnorm() -> None:
