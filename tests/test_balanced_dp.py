@@ -403,7 +403,7 @@ class _ChunkRecorder(Regressor):
 def test_the_split_is_the_same_in_all_four_loops(strategy_kwargs: dict[str, Any], expected: list[int]) -> None:
     loader = DataLoader(_data(6), batch_size=6)
     model = _ChunkRecorder()
-    trainer = _trainer(BalancedDataParallelStrategy(**strategy_kwargs), max_steps=1, limit_val_batches=0)
+    trainer = _trainer(BalancedDataParallelStrategy(**strategy_kwargs), max_steps=1)
     trainer.fit(model, loader)
     trainer.validate(model, loader, verbose=False)
     trainer.test(model, loader, verbose=False)

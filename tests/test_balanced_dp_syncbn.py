@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import BalancedDataParallelStrategy
-from tests.helpers import quiet_trainer
+from tests.helpers import RunIf, quiet_trainer
 
 # float64: the synchronized statistics are combined from per-chunk (count, mean, M2) by Chan's formula instead of one
 # pass over the batch, and the gradients are summed per chunk then across chunks. Those reorderings change float64
@@ -141,3 +141,17 @@ def test_a_batch_of_one_sample_in_total_raises_the_batchnorm_error_as_on_one_dev
     strategy = BalancedDataParallelStrategy(sync_batchnorm=True)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         quiet_trainer(strategy, 2, max_steps=1).fit(model, DataLoader(_data(1, 1), batch_size=1))
+
+
+@RunIf(min_cuda_gpus=2)
+def test_synchronized_batchnorm_matches_the_single_device_run_on_cuda() -> None:
+    model = BatchNormNet(2, 0.1, True)
+    expected = _fit_two_steps(copy.deepcopy(model), "auto", 1, batch_size=7)
+    strategy = BalancedDataParallelStrategy(chunk_sizes=[0, 1, 6], sync_batchnorm=True)
+    got = (
+        _fit_two_steps(model, strategy, 3, batch_size=7, accelerator="cuda") if torch.cuda.device_count() >= 3 else None
+    )
+    if got is None:
+        strategy = BalancedDataParallelStrategy(chunk_sizes=[1, 6], sync_batchnorm=True)
+        got = _fit_two_steps(model, strategy, 2, batch_size=7, accelerator="cuda")
+    _assert_equal_runs(got.cpu(), expected)

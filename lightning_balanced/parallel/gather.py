@@ -64,24 +64,10 @@ def gather(
     """Combine the step outputs of the replicas, which ran on consecutive chunks of one batch, on ``target_device``.
 
     Walks the outputs' common structure and combines each leaf so that the result is what one device returns for the
-    whole batch in the usual cases:
-
-    ======================================================  =========================================================
-    output of each replica                                  gathered output
-    ======================================================  =========================================================
-    tensor with a batch dimension                           concatenated along dim 0, in batch order
-    ``list`` of one item per sample (``len`` = chunk size)  concatenated, in batch order (``list[str]`` ids,
-                                                            ``list[dict]`` detections, ``list[Tensor]`` of any shape)
-    0-dim floating tensor (a loss, a mean)                  ``sum(chunk_size_i / batch_size * t_i)``, the batch mean;
-                                                            with ``loss_reduction="sum"`` the plain sum
-    0-dim integer tensor (a count)                          the sum, same dtype
-    0-dim bool tensor (a flag)                              set if set on any replica (the sum in ``bool``), ``bool``
-    ``dict``, ``tuple``, ``namedtuple``, dataclass, other   item by item with these rules; a ``list`` of batched
-    ``list`` (e.g. ``[preds, target]``)                     tensors of the chunk's size is such a structure
-    ``None``                                                ``None``
-    any other value                                         kept once if equal on every replica, else the list of
-                                                            the replicas' values
-    ======================================================  =========================================================
+    whole batch in the usual cases: batched tensors and per-sample lists concatenated in batch order, 0-dim floating
+    tensors as the chunk-weighted mean (or sum), 0-dim integer/bool tensors summed in their dtype, containers item by
+    item. The rule, with its table of output kinds, is documented once, in
+    :class:`~lightning_balanced.BalancedDataParallelStrategy`.
 
     Every tensor is moved to ``target_device`` before it is combined (an autograd-aware ``Gather`` on CUDA, ``to`` and
     ``cat``/``stack`` elsewhere), so the result lives on ``target_device`` whatever device each replica ran on.

@@ -31,6 +31,7 @@ from lightning_balanced.parallel import (
     split_policy,
     virtual_devices,
 )
+from lightning_balanced.parallel.chunk_sizes import ExplicitChunkSizes, Gpu0Budget, WeightedSplit
 from lightning_balanced.parallel.sync_batchnorm import (
     SyncBatchNormAborted,
     SyncBatchNormStep,
@@ -145,6 +146,21 @@ class BalancedDataParallel(_StrategyBase):
         self._metrics: dict[str, Metric] = {}
         self._plan_reported = False
         self._training_steps = 0
+
+    @property
+    def gpu0_bsz(self) -> int | None:
+        """The ``gpu0_bsz`` option, or ``None`` when the split uses another."""
+        return self.split_policy.gpu0_bsz if isinstance(self.split_policy, Gpu0Budget) else None
+
+    @property
+    def chunk_sizes(self) -> list[int] | None:
+        """The ``chunk_sizes`` option, or ``None`` when the split uses another."""
+        return self.split_policy.chunk_sizes if isinstance(self.split_policy, ExplicitChunkSizes) else None
+
+    @property
+    def weights(self) -> list[float] | None:
+        """The ``weights`` option, or ``None`` when the split uses another."""
+        return self.split_policy.weights if isinstance(self.split_policy, WeightedSplit) else None
 
     # ---- a single process ------------------------------------------------------------------------------------------
     @property
