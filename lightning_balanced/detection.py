@@ -29,7 +29,7 @@ import contextlib
 import importlib
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from types import ModuleType
 
@@ -41,40 +41,34 @@ from lightning_balanced.ops import batched_nms
 __all__ = ["coco_map", "postprocess_detections"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INTEGER_KEYS, _FLOAT_KEYS = ("labels", "iscrowd"), ("scores", "area")  # per-box entries besides "boxes"
 
 
-def _is_integer_dtype(dtype: torch.dtype) -> bool:
-    return not (dtype == torch.bool or dtype.is_floating_point or dtype.is_complex)
+def _check_boxes(item: Mapping[str, object], keys: tuple[str, ...], name: Callable[[str], str]) -> dict[str, Tensor]:
+    """The one set of checks on boxes and their per-box entries, naming each as the caller knows it (``name(key)``).
 
-
-def _check_detections(boxes: object, scores: object, labels: object) -> tuple[Tensor, Tensor, Tensor]:
-    if not isinstance(boxes, Tensor):
-        raise TypeError(f"`boxes` must be a torch.Tensor, got {type(boxes).__name__}")
-    if not isinstance(scores, Tensor):
-        raise TypeError(f"`scores` must be a torch.Tensor, got {type(scores).__name__}")
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"`labels` must be a torch.Tensor, got {type(labels).__name__}")
+    ``keys`` are present; the other entries of ``("labels", "scores", "iscrowd", "area")`` are checked if present.
+    Returns the checked tensors by key.
+    """
+    tensors: dict[str, Tensor] = {}
+    for key in [k for k in ("boxes", *_INTEGER_KEYS, *_FLOAT_KEYS) if k in item]:
+        value = item[key]
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name(key)} must be a torch.Tensor, got {type(value).__name__}")
+        tensors[key] = value
+    boxes = tensors["boxes"]
     if boxes.dim() != 2 or boxes.shape[1] != 4:
-        raise ValueError(f"`boxes` must have shape (N, 4), got {tuple(boxes.shape)}")
-    n = boxes.shape[0]
-    if scores.shape != (n,):
-        raise ValueError(f"`scores` must have shape (N,) with N = {n} (the number of boxes), got {tuple(scores.shape)}")
-    if labels.shape != (n,):
-        raise ValueError(f"`labels` must have shape (N,) with N = {n} (the number of boxes), got {tuple(labels.shape)}")
-    if boxes.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"`boxes` must be float16, bfloat16, float32 or float64, got {boxes.dtype}")
-    if scores.dtype != boxes.dtype:
-        raise TypeError(f"`scores` must have the dtype of `boxes` ({boxes.dtype}), got {scores.dtype}")
-    if not _is_integer_dtype(labels.dtype):
-        raise TypeError(f"`labels` must have an integer dtype, got {labels.dtype}")
-    for name, tensor in (("scores", scores), ("labels", labels)):
-        if tensor.device != boxes.device:
-            raise ValueError(f"`{name}` must be on the device of `boxes` ({boxes.device}), got {tensor.device}")
-    if not bool(torch.isfinite(boxes).all()):
-        raise ValueError("`boxes` must be finite (no NaN or infinity)")
-    if not bool(torch.isfinite(scores).all()):
-        raise ValueError("`scores` must be finite (no NaN or infinity)")
-    return boxes, scores, labels
+        raise ValueError(f"{name('boxes')} must have shape (N, 4), got {tuple(boxes.shape)}")
+    for key, value in tensors.items():
+        if key != "boxes" and value.shape != (boxes.shape[0],):
+            raise ValueError(
+                f"{name(key)} must have shape (N,) with N = {boxes.shape[0]} boxes, got {tuple(value.shape)}"
+            )
+        if key in _INTEGER_KEYS and (value.dtype == torch.bool or value.is_floating_point() or value.is_complex()):
+            raise TypeError(f"{name(key)} must have an integer dtype, got {value.dtype}")
+        if (key == "boxes" or key in _FLOAT_KEYS) and value.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name(key)} must be float16, bfloat16, float32 or float64, got {value.dtype}")
+    return tensors
 
 
 def _check_real(name: str, value: object) -> float:
@@ -139,16 +133,22 @@ def postprocess_detections(
             ``scores`` has another dtype than ``boxes``, ``labels`` is not an integer tensor, a threshold is not a
             real number or ``max_detections`` is not an int or ``None``.
         ValueError: if the shapes are not ``(N, 4)``, ``(N,)``, ``(N,)``, the devices differ, a box coordinate or
-            score is NaN or infinite, ``iou_threshold`` is outside ``[0, 1]``, ``score_threshold`` is NaN or
-            ``max_detections < 1``.
+            score is NaN or infinite, ``iou_threshold`` is outside ``[0, 1]`` (raised by ``batched_nms``, which
+            checks it), ``score_threshold`` is NaN or ``max_detections < 1``.
 
     Source: the semantics of torchvision's ``RoIHeads.postprocess_detections`` and detectron2's
     ``fast_rcnn_inference_single_image`` (score filter, per-class NMS, top-k).
     """
-    boxes, scores, labels = _check_detections(boxes, scores, labels)
-    iou = _check_real("iou_threshold", iou_threshold)
-    if not 0.0 <= iou <= 1.0:
-        raise ValueError(f"`iou_threshold` must be in [0, 1], got {iou_threshold}")
+    # The checks the score filter and the indexing need; iou_threshold is checked by batched_nms, on every input.
+    _check_boxes({"boxes": boxes, "scores": scores, "labels": labels}, ("boxes", "scores", "labels"), "`{}`".format)
+    if scores.dtype != boxes.dtype:
+        raise TypeError(f"`scores` must have the dtype of `boxes` ({boxes.dtype}), got {scores.dtype}")
+    for name, tensor in (("scores", scores), ("labels", labels)):
+        if tensor.device != boxes.device:
+            raise ValueError(f"`{name}` must be on the device of `boxes` ({boxes.device}), got {tensor.device}")
+    for name, tensor in (("boxes", boxes), ("scores", scores)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"`{name}` must be finite (no NaN or infinity)")
     threshold = _check_real("score_threshold", score_threshold)
     if max_detections is not None:
         if isinstance(max_detections, bool) or not isinstance(max_detections, int):
@@ -158,7 +158,7 @@ def postprocess_detections(
 
     candidates = torch.nonzero(scores > threshold).flatten()  # ascending: ties stay ordered by original index
     boxes, scores, labels = boxes[candidates], scores[candidates], labels[candidates]
-    keep = batched_nms(boxes, scores, labels, iou)  # by decreasing score, equal scores by lower index
+    keep = batched_nms(boxes, scores, labels, iou_threshold)  # by decreasing score, equal scores by lower index
     if max_detections is not None:
         keep = keep[:max_detections]
     return {"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep].to(torch.int64)}
@@ -192,35 +192,6 @@ def _import_pycocotools() -> tuple[ModuleType, ModuleType]:
             " (or `pip install pycocotools`)"
         ) from err
     return coco, cocoeval
-
-
-def _check_item(item: object, where: str, keys: tuple[str, ...]) -> Mapping[str, Tensor]:
-    if not isinstance(item, Mapping):
-        raise TypeError(f"`{where}` must be a dict with keys {keys}, got {type(item).__name__}")
-    missing = [key for key in keys if key not in item]
-    if missing:
-        raise ValueError(f"`{where}` lacks the key(s) {missing}")
-    for key in (*keys, "iscrowd", "area"):
-        if key in item and not isinstance(item[key], Tensor):
-            raise TypeError(f"`{where}[{key!r}]` must be a torch.Tensor, got {type(item[key]).__name__}")
-    boxes = item["boxes"]
-    if boxes.dim() != 2 or boxes.shape[1] != 4:
-        raise ValueError(f"`{where}['boxes']` must have shape (K, 4), got {tuple(boxes.shape)}")
-    if not boxes.is_floating_point():
-        raise TypeError(f"`{where}['boxes']` must be floating point, got {boxes.dtype}")
-    for key in ("labels", "iscrowd"):
-        if key in item and not _is_integer_dtype(item[key].dtype):
-            raise TypeError(f"`{where}[{key!r}]` must have an integer dtype, got {item[key].dtype}")
-    for key in ("scores", "area"):
-        if key in item and not item[key].is_floating_point():
-            raise TypeError(f"`{where}[{key!r}]` must be floating point, got {item[key].dtype}")
-    for key in ("labels", "scores", "iscrowd", "area"):
-        if key in item and item[key].shape != (boxes.shape[0],):
-            raise ValueError(
-                f"`{where}[{key!r}]` must have shape (K,) with K = {boxes.shape[0]} (the number of boxes),"
-                f" got {tuple(item[key].shape)}"
-            )
-    return item
 
 
 def _coco_dataset(items: Sequence[Mapping[str, Tensor]], categories: list[int], *, with_scores: bool) -> dict:
@@ -286,7 +257,10 @@ def coco_map(
     backend="pycocotools", iou_type="bbox", box_format="xyxy")`` builds them, and the keys are the same, so the
     figures are those of that metric (which needs torchvision for its box conversion; this function does not). One
     difference: the default thresholds are pycocotools' own float64 ``np.linspace`` values, where torchmetrics rounds
-    them to float32; the two can only differ when an IoU or a recall falls exactly between the two roundings.
+    them to float32. A recall of ``k / G`` that equals a threshold (3/10 and 0.3) then falls on the other side of
+    torchmetrics' rounding, which is common: figures differ by up to 1.5e-3 on the 60-image test set. Pass
+    ``torch.linspace(0.5, 0.95, 10).tolist()`` and ``torch.linspace(0.0, 1.0, 101).tolist()`` to get that metric's
+    figures exactly.
 
     Args:
         predictions (Sequence[dict[str, Tensor]]): one dict per image: ``"boxes"`` (Tensor[K, 4], floating point,
@@ -330,8 +304,18 @@ def coco_map(
         raise TypeError(f"`class_metrics` must be a bool, got {type(class_metrics).__name__}")
     iou_list = _check_thresholds("iou_thresholds", iou_thresholds)
     rec_list = _check_thresholds("rec_thresholds", rec_thresholds)
-    preds = [_check_item(p, f"predictions[{i}]", ("boxes", "scores", "labels")) for i, p in enumerate(predictions)]
-    gts = [_check_item(t, f"targets[{i}]", ("boxes", "labels")) for i, t in enumerate(targets)]
+    preds: list[dict[str, Tensor]] = []
+    gts: list[dict[str, Tensor]] = []
+    for items, checked, name, keys in (
+        (predictions, preds, "predictions", ("boxes", "scores", "labels")),
+        (targets, gts, "targets", ("boxes", "labels")),
+    ):
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping):
+                raise TypeError(f"`{name}[{i}]` must be a dict with keys {keys}, got {type(item).__name__}")
+            if any(key not in item for key in keys):
+                raise ValueError(f"`{name}[{i}]` lacks the key(s) {[key for key in keys if key not in item]}")
+            checked.append(_check_boxes(item, keys, f"`{name}[{i}][{{!r}}]`".format))
 
     if not preds:
         return dict.fromkeys(_STAT_NAMES, -1.0)

@@ -59,10 +59,7 @@ class IndexedDataset(Dataset):
 
 
 class _Kind:
-    """A field kind: how a leaf is kept when added, packed into tensors (and objects) to gather, and unpacked.
-
-    ``unpack`` gets ``blocks[k][r]``, rank ``r``'s ``k``-th packed tensor, and every rank's objects in rank order.
-    """
+    """A field kind: how a leaf is kept when added, packed into tensors and objects, and unpacked after the gather."""
 
     def keep(self, value: Any, device: torch.device) -> Any:
         return value
@@ -71,6 +68,7 @@ class _Kind:
         return [], [obj for piece in pieces for obj in piece]
 
     def unpack(self, blocks: list[list[Tensor]], objects: list[Any], keep: _Keep) -> Any:
+        """``blocks[k][r]``: rank ``r``'s ``k``-th packed tensor; ``objects``: every rank's, in rank order."""
         return [objects[i] for i in keep.positions()]
 
 
@@ -140,13 +138,11 @@ def _kind(value: Any, path: str) -> _Kind:
 
 # A structure is hashable and picklable, with kinds as leaves: (dict, keys, children) or (tuple type, None, children).
 def _flatten(value: Any, path: str, leaves: list[tuple[str, _Kind, Any]]) -> Any:
-    if isinstance(value, (Mapping, tuple)):
-        keys = tuple(value) if isinstance(value, Mapping) else None
-        items = value.items() if isinstance(value, Mapping) else enumerate(value)
-        paths = [f"{path}.{k}".lstrip(".") if keys is not None else f"{path}[{k}]" for k, _ in items]
-        values = value.values() if isinstance(value, Mapping) else value
-        children = tuple(_flatten(v, child, leaves) for v, child in zip(values, paths, strict=True))
-        return (dict if keys is not None else type(value), keys, children)
+    if isinstance(value, Mapping):
+        keys = tuple(value)
+        return (dict, keys, tuple(_flatten(value[k], f"{path}.{k}".lstrip("."), leaves) for k in keys))
+    if isinstance(value, tuple):
+        return (type(value), None, tuple(_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(value)))
     leaves.append((path, _kind(value, path), value))
     return leaves[-1][1]
 
@@ -169,9 +165,7 @@ def _describe(structure: Any) -> str:
     if structure is None or isinstance(structure, _Kind):
         return "absent" if structure is None else str(structure)
     container, keys, children = structure
-    parts = [
-        f"{k!r}: {_describe(c)}" if keys else _describe(c) for k, c in zip(keys or children, children, strict=True)
-    ]
+    parts = [f"{k!r}: {_describe(c)}" if keys else _describe(c) for k, c in zip(keys or children, children)]  # noqa: B905
     return f"a {container.__name__} ({', '.join(parts)})"
 
 
