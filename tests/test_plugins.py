@@ -196,7 +196,7 @@ def test_standalone_pytorch_lightning_trains_with_its_own_variants() -> None:
     pytest.importorskip("pytorch_lightning")
     balanced = _standalone_fit("balanced_dp", 2, 8)
     assert balanced["strategy"] == "lightning_balanced.strategies.standalone"
-    assert balanced["lrs"] == [0.1, 0.1]  # balanced_dp leaves the LR alone
+    assert balanced["lrs"] == [0.1] * 4  # 2 steps x 2 replicas; balanced_dp leaves the LR alone
     for ddp in run_distributed(_standalone_ddp_rank, 2):
         assert ddp["strategy"] == "lightning_balanced.strategies.standalone"
         assert ddp["bn"] == ["SyncBatchNorm"] * 2  # our CPU SyncBatchNorm replaced pytorch_lightning's choice
