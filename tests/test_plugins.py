@@ -196,8 +196,48 @@ def test_standalone_pytorch_lightning_trains_with_its_own_variants() -> None:
     pytest.importorskip("pytorch_lightning")
     balanced = _standalone_fit("balanced_dp", 2, 8)
     assert balanced["strategy"] == "lightning_balanced.strategies.standalone"
-    assert balanced["lrs"] == [0.1, 0.1]  # balanced_dp leaves the LR alone
+    assert balanced["lrs"] == [0.1] * 4  # 2 steps x 2 replicas; balanced_dp leaves the LR alone
     for ddp in run_distributed(_standalone_ddp_rank, 2):
         assert ddp["strategy"] == "lightning_balanced.strategies.standalone"
         assert ddp["bn"] == ["SyncBatchNorm"] * 2  # our CPU SyncBatchNorm replaced pytorch_lightning's choice
         assert ddp["lrs"] == pytest.approx([0.1 * 2**0.5] * 2, rel=1e-12)  # scaled by sqrt(world_size 2)
+
+
+def test_standalone_balanced_dp_step_equals_the_single_device_step() -> None:
+    ptl = pytest.importorskip("pytorch_lightning")
+    from lightning_balanced.strategies import standalone
+
+    class Tiny(ptl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(5, 3).double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    g = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(
+        torch.randn(10, 5, generator=g, dtype=torch.float64), torch.randn(10, 3, generator=g).double()
+    )
+    model = Tiny()
+    reference = Tiny().layer
+    F.mse_loss(reference(dataset[:][0]), dataset[:][1]).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    trainer = ptl.Trainer(
+        strategy=standalone.BalancedDataParallelStrategy(chunk_sizes=[7, 3]),
+        accelerator="cpu",
+        devices=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(dataset, batch_size=10))
+    # float64: chunk-weighted mean of the two chunks' losses vs. the mean over all 10 samples, ~1e-16 apart
+    for got, expected in zip(model.layer.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
