@@ -127,6 +127,7 @@ class GPipeStrategy(ParallelStrategy):
         self.module_name = module_name
         self._pipe: Pipe | None = None
         self._balance_method = "given"
+        self._reported_balance: list[int] | None = None
 
     # ---- a single process ------------------------------------------------------------------------------------------
     @property
@@ -304,6 +305,9 @@ class GPipeStrategy(ParallelStrategy):
     def _report(self) -> None:
         pipe = self._pipe
         assert pipe is not None and pipe.balance is not None
+        if pipe.balance == self._reported_balance:
+            return  # once, not again for each validate/test/predict unless the balance changed
+        self._reported_balance = list(pipe.balance)
         method = "given" if isinstance(self.balance, list) else self._balance_method
         if self.balance is None:
             method = "even by layer count"
