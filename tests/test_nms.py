@@ -55,6 +55,14 @@ def _random_boxes(seed: int, n: int, layout: str, dtype: torch.dtype) -> tuple[t
     elif layout == "heavy_tailed":  # some boxes cover many grid cells
         xy = torch.rand(n, 2, generator=gen) * 200
         wh = torch.rand(n, 2, generator=gen).pow(6) * 200
+    elif layout == "mixed_sizes":  # sides log-uniform over two decades, width and height independent
+        xy = torch.rand(n, 2, generator=gen) * 300
+        wh = torch.exp(torch.rand(n, 2, generator=gen) * math.log(100)) * 0.6
+    elif layout == "few_large":  # small boxes with about 1% of boxes 20-60x larger
+        xy = torch.rand(n, 2, generator=gen) * 200
+        wh = torch.rand(n, 2, generator=gen) * 4 + 1
+        large = torch.rand(n, generator=gen) < 0.01
+        wh[large] = torch.rand(int(large.sum()), 2, generator=gen) * 150 + 50
     elif layout == "degenerate_mix":
         xy = torch.rand(n, 2, generator=gen) * 50
         wh = torch.rand(n, 2, generator=gen) * 12 - 3  # negative, zero and positive sides
@@ -88,7 +96,9 @@ def test_nms_matches_reference_on_small_sets(
 @given(
     seed=st.integers(0, 2**31 - 1),
     n=st.integers(48, 700),
-    layout=st.sampled_from(["uniform", "clustered", "heavy_tailed", "degenerate_mix", "tiny"]),
+    layout=st.sampled_from(
+        ["uniform", "clustered", "heavy_tailed", "mixed_sizes", "few_large", "degenerate_mix", "tiny"]
+    ),
     dtype=st.sampled_from(DTYPES),
     iou_threshold=THRESHOLDS,
     offset=st.sampled_from([0, 1]),
@@ -140,6 +150,20 @@ def test_batched_nms_on_larger_sets_equals_nms_per_class(layout: str) -> None:
     kept = torch.nonzero(keep).flatten()
     expected = kept[torch.sort(scores[kept], descending=True, stable=True).indices]
     assert torch.equal(batched_nms(boxes, scores, idxs, 0.5), expected)
+
+
+@compiled
+@pytest.mark.parametrize("layout", ["mixed_sizes", "few_large", "heavy_tailed"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_mixed_box_sizes_match_reference(layout: str, dtype: torch.dtype, offset: int) -> None:
+    """Several size classes at once (the multi-level grid of the CPU kernel), nms and batched_nms."""
+    boxes, scores = _random_boxes(21, 1500, layout, dtype)
+    idxs = torch.randint(0, 4, (1500,), generator=torch.Generator().manual_seed(2))
+    for thr in (0.0, 0.3, 0.7):
+        assert torch.equal(nms(boxes, scores, thr, offset), nms_reference(boxes, scores, thr, offset))
+        expected = batched_nms_reference(boxes, scores, idxs, thr, offset)
+        assert torch.equal(batched_nms(boxes, scores, idxs, thr, offset), expected)
 
 
 @compiled
@@ -312,11 +336,15 @@ def test_compiled_op_checks_its_preconditions(args, error, match) -> None:
 def test_python_level_type_errors(impl) -> None:
     with pytest.raises(TypeError, match=r"boxes must be a torch\.Tensor"):
         impl(B.tolist(), S, 0.5)
+    with pytest.raises(TypeError, match=r"scores must be a torch\.Tensor"):
+        impl(B, S.tolist(), 0.5)
     with pytest.raises(TypeError, match="iou_threshold must be a real number"):
         impl(B, S, "0.5")
-    with pytest.raises(ValueError, match="offset"):
+    with pytest.raises(TypeError, match="iou_threshold must be a real number"):
+        impl(B, S, torch.tensor(0.5))
+    with pytest.raises(TypeError, match="offset must be an int"):
         impl(B, S, 0.5, offset=True)
-    with pytest.raises(ValueError, match="offset"):
+    with pytest.raises(TypeError, match="offset must be an int"):
         impl(B, S, 0.5, offset=1.0)
 
 
@@ -334,10 +362,30 @@ def test_batched_nms_rejects_bad_idxs(impl) -> None:
 
 @compiled
 def test_compiled_batched_op_checks_idxs() -> None:
-    with pytest.raises(TypeError, match="idxs must be int64"):
-        torch.ops.lightning_balanced.batched_nms(B, S, torch.zeros(2, dtype=torch.int32), 0.5, 0)
+    op = torch.ops.lightning_balanced.batched_nms
+    with pytest.raises(TypeError, match="integer dtype"):
+        op(B, S, torch.zeros(2), 0.5, 0)
+    with pytest.raises(TypeError, match="integer dtype"):
+        op(B, S, torch.zeros(2, dtype=torch.bool), 0.5, 0)
     with pytest.raises(ValueError, match="idxs must have shape"):
-        torch.ops.lightning_balanced.batched_nms(B, S, torch.zeros(3, dtype=torch.int64), 0.5, 0)
+        op(B, S, torch.zeros(3, dtype=torch.int64), 0.5, 0)
+    for dtype in (torch.int32, torch.int16, torch.uint8):  # any integer dtype, read as int64
+        assert op(B, S, torch.tensor([0, 1], dtype=dtype), 0.5, 0).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("impl", [pytest.param(batched_nms, marks=compiled), batched_nms_reference])
+def test_batched_nms_of_no_boxes_is_empty_whatever_the_shapes(impl) -> None:
+    """As torchvision.ops.batched_nms: ``boxes.numel() == 0`` gives an empty int64 result."""
+    for boxes, scores, idxs in (
+        (torch.zeros(0, 4), torch.zeros(0), torch.zeros(0, dtype=torch.int64)),
+        (torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.int64)),
+        (torch.zeros(0, 4), torch.zeros(0), torch.zeros(0)),
+        (torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0), torch.zeros(0, dtype=torch.int32)),
+    ):
+        out = impl(boxes, scores, idxs, 0.5)
+        assert out.dtype == torch.int64 and out.shape == (0,)
+    with pytest.raises(ValueError, match="iou_threshold"):  # the scalar arguments are still checked
+        impl(torch.zeros(0, 4), torch.zeros(0), torch.zeros(0, dtype=torch.int64), 1.5)
 
 
 @RunIf(min_cuda_gpus=1)

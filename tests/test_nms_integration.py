@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,6 +77,102 @@ def test_torch_compile_fullgraph_traces_through_nms(backend: str) -> None:
         got = compiled(boxes, scores, idxs)
         expected = keep_boxes(boxes, scores, idxs)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bad input: the same ValueError/TypeError in eager mode and under torch.compile(fullgraph=True)
+# --------------------------------------------------------------------------------------------------------------
+
+_B = torch.tensor([[0, 0, 1, 1], [0, 0, 2, 2.0]])
+_S = torch.tensor([0.5, 0.6])
+_I = torch.tensor([0, 1])
+# (boxes, scores, idxs, iou_threshold, offset), error, message: each rule of csrc/nms_checks.h.
+TENSOR_BAD_INPUTS = {
+    "boxes 1-D": ((_B[0], _S, _I, 0.5, 0), ValueError, r"boxes must have shape \(N, 4\)"),
+    "boxes (N, 3)": ((_B[:, :3], _S, _I, 0.5, 0), ValueError, r"boxes must have shape \(N, 4\)"),
+    "scores 2-D": ((_B, _S[:, None], _I, 0.5, 0), ValueError, r"scores must have shape \(N,\)"),
+    "lengths differ": ((_B, _S[:1], _I, 0.5, 0), ValueError, "same length"),
+    "integer boxes": ((_B.long(), _S.long(), _I, 0.5, 0), TypeError, "float16, bfloat16, float32 or float64"),
+    "dtypes differ": ((_B, _S.double(), _I, 0.5, 0), TypeError, "dtype of boxes"),
+    "threshold NaN": ((_B, _S, _I, math.nan, 0), ValueError, "iou_threshold must be a number in"),
+    "threshold > 1": ((_B, _S, _I, 1.5, 0), ValueError, "iou_threshold must be a number in"),
+    "threshold < 0": ((_B, _S, _I, -0.1, 0), ValueError, "iou_threshold must be a number in"),
+    "offset 2": ((_B, _S, _I, 0.5, 2), ValueError, "offset must be 0 or 1"),
+    "NaN coordinate": ((torch.tensor([[0, 0, math.nan, 1.0]]), _S[:1], _I[:1], 0.5, 0), ValueError, "finite"),
+    "infinite score": ((_B, torch.tensor([0.5, -math.inf]), _I, 0.5, 0), ValueError, "finite"),
+    "float idxs": ((_B, _S, _I.float(), 0.5, 0), TypeError, "idxs must have an integer dtype"),
+    "idxs too long": ((_B, _S, torch.zeros(3, dtype=torch.int64), 0.5, 0), ValueError, "idxs must have shape"),
+}
+
+
+def _call(op: str, args: tuple) -> torch.Tensor:
+    boxes, scores, idxs, thr, offset = args
+    return nms(boxes, scores, thr, offset) if op == "nms" else batched_nms(boxes, scores, idxs, thr, offset)
+
+
+@RunIf(compiled_ops=True)
+@pytest.mark.parametrize(
+    ("op", "args", "error", "match"),
+    [
+        pytest.param(op, *case, id=f"{op}-{name}")
+        for op in ("nms", "batched_nms")
+        for name, case in TENSOR_BAD_INPUTS.items()
+        if op == "batched_nms" or "idxs" not in name
+    ],
+)
+def test_bad_input_raises_the_same_error_in_eager_and_compiled_mode(op: str, args, error, match) -> None:
+    with pytest.raises(error, match=match):
+        _call(op, args)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: _call(op, a), fullgraph=True, backend="aot_eager")
+    with pytest.raises(error, match=match):
+        compiled(*args)
+
+
+@RunIf(compiled_ops=True)
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((_B.tolist(), _S, _I, 0.5, 0), r"boxes must be a torch\.Tensor"),
+        ((_B, _S, _I, "0.5", 0), "iou_threshold must be a real number"),
+        ((_B, _S, _I, 0.5, 1.0), "offset must be an int"),
+    ],
+)
+def test_python_type_errors_under_torch_compile_are_reported_by_dynamo(args, match) -> None:
+    """What the dispatcher cannot see (an argument that is not a tensor or a number) is checked in Python, so
+    under torch.compile(fullgraph=True) the TypeError is raised while tracing and torch._dynamo reports it as
+    an ``Unsupported`` "Observed exception" whose cause carries our message (a documented limitation)."""
+    with pytest.raises(TypeError, match=match):
+        _call("nms", args)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: _call("nms", a), fullgraph=True, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        compiled(*args)
+    assert re.search(match, str(info.value.__cause__))
+
+
+@RunIf(compiled_ops=True)
+def test_meta_and_fake_tensors_go_to_the_fake_kernel_without_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    monkeypatch.setattr(_loader, "_warned", False)
+    boxes, scores = _boxes(30)
+    idxs = torch.arange(30) % 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # CompiledOpsMissingWarning included
+        with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+            fake_boxes, fake_scores, fake_idxs = (mode.from_tensor(t) for t in (boxes, scores, idxs))
+            for out in (nms(fake_boxes, fake_scores, 0.5), batched_nms(fake_boxes, fake_scores, fake_idxs, 0.5)):
+                assert out.dtype == torch.int64 and out.dim() == 1
+        # Meta tensors reach the fake kernel too; a data-dependent output size has no meta value, so torch says so.
+        for call in (
+            lambda: nms(boxes.to("meta"), scores.to("meta"), 0.5),
+            lambda: batched_nms(boxes.to("meta"), scores.to("meta"), idxs.to("meta"), 0.5),
+        ):
+            with pytest.raises(RuntimeError, match="data-dependent"):
+                call()
+    assert not _loader._warned  # the once-per-process warning is still unspent
 
 
 # --------------------------------------------------------------------------------------------------------------

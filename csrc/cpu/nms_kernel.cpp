@@ -12,9 +12,11 @@
 //
 // Speed comes from the greedy formulation "compare each candidate with the boxes kept so far, stop at
 // the first suppressor" (which is equivalent to the classic "each kept box suppresses the later ones"),
-// with the kept boxes stored as structure-of-arrays blocks of 8 lanes in a uniform spatial grid:
-// a candidate only visits the cells it overlaps, since a box can only be suppressed by a box it
-// intersects (inter > 0). Scores are ordered with a stable LSD radix sort.
+// with the kept boxes stored as structure-of-arrays blocks of 8 lanes in a multi-level spatial grid:
+// one uniform grid per box-size class (largest side within a factor of 2), so boxes of any mix of sizes
+// cover at most about 2 x 2 cells of their own level. A candidate visits, in each level, the cells it
+// overlaps (a box can only be suppressed by a box it intersects, inter > 0), and skips the levels whose
+// areas are too different for IoU > threshold. Scores are ordered with a stable LSD radix sort.
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -225,8 +227,9 @@ struct List {
 };
 
 // One level of the multi-level grid: the active boxes of one size class (largest side within a factor
-// of 2), in a uniform grid whose cells are about twice that class's largest box, so a box of the level
-// covers at most 2 x 2 cells. Cells of all levels live in Workspace::cells from `cell_base` on.
+// of 2), in a uniform grid whose cells are about twice that class's largest width and height, so a box
+// of the level covers at most 2 x 2 cells; a dense level (e.g. many long thin boxes) gets smaller cells.
+// Cells of all levels live in Workspace::cells from `cell_base` on.
 struct Level {
   int64_t count = 0;        // active boxes assigned to this level
   double max_w = 0.0, max_h = 0.0;
@@ -254,9 +257,9 @@ struct Workspace {
 
 constexpr int32_t kInactive = -1;
 constexpr int kMaxClasses = 24;     // size classes per axis, by factors of 2; the smallest ones share class 0
-constexpr double kCellScale = 2.0;  // cell side / largest box side of the level
-constexpr double kCellsPerBox = 2.0;
-constexpr double kBoxesPerCell = 8.0;  // a level has at most max(64, this * count) cells
+constexpr double kCellScale = 2.0;     // cell side / largest box side of the level
+constexpr double kCellsPerBox = 2.0;   // a level has at most max(64, kCellsPerBox * count) cells ...
+constexpr double kBoxesPerCell = 8.0;  // ... and at least count / kBoxesPerCell (dense levels get smaller cells)
 
 template <typename T>
 LB_ALWAYS_INLINE void list_append(std::vector<Block<T>>& pool, List& list, const Candidate<T>& c) {
@@ -641,10 +644,14 @@ at::Tensor nms_cpu(const at::Tensor& boxes, const at::Tensor& scores, double iou
 
 at::Tensor batched_nms_cpu(const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs,
                            double iou_threshold, int64_t offset) {
+  if (lightning_balanced::batched_nms_input_is_empty(boxes, iou_threshold, offset)) {
+    return at::empty({0}, boxes.options().dtype(at::kLong));
+  }
   lightning_balanced::check_nms_args("batched_nms", boxes, scores, iou_threshold, offset);
   lightning_balanced::check_idxs_arg(boxes, idxs);
   TORCH_CHECK_VALUE(boxes.device().is_cpu(), "batched_nms: the CPU kernel got tensors on ", boxes.device());
-  return nms_cpu_dispatch(boxes, scores, &idxs, iou_threshold, offset);
+  const at::Tensor classes = lightning_balanced::idxs_as_int64(idxs);
+  return nms_cpu_dispatch(boxes, scores, &classes, iou_threshold, offset);
 }
 
 }  // namespace

@@ -146,9 +146,13 @@ at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double io
 
 at::Tensor batched_nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs,
                             double iou_threshold, int64_t offset) {
+  if (lightning_balanced::batched_nms_input_is_empty(boxes, iou_threshold, offset)) {
+    return at::empty({0}, boxes.options().dtype(at::kLong));
+  }
   lightning_balanced::check_nms_args("batched_nms", boxes, scores, iou_threshold, offset);
   lightning_balanced::check_idxs_arg(boxes, idxs);
-  return nms_cuda_impl("batched_nms", boxes, scores, &idxs, iou_threshold, offset);
+  const at::Tensor classes = lightning_balanced::idxs_as_int64(idxs);
+  return nms_cuda_impl("batched_nms", boxes, scores, &classes, iou_threshold, offset);
 }
 
 }  // namespace

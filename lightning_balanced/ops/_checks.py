@@ -1,4 +1,13 @@
-"""Argument checks shared by the public ops and the pure-PyTorch reference (metadata only, no kernels)."""
+"""Argument checks of the NMS ops.
+
+Two layers, each written once:
+
+* :func:`check_argument_types` checks what the compiled operator's dispatcher cannot see and would only report
+  as a ``RuntimeError``: that the arguments are tensors and numbers. The public wrappers and the reference call it.
+* :func:`check_tensor_args`, :func:`check_idxs` and :func:`check_finite` are the pure-PyTorch copy of
+  ``csrc/nms_checks.h`` for the reference (the fallback when the compiled ops are missing). The compiled ops do
+  these checks in C++ with the same messages, so the public wrappers never run them.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +20,37 @@ from torch import Tensor
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_nms_args(op: str, boxes: object, scores: object, iou_threshold: object, offset: object) -> float:
-    """Raise ``TypeError``/``ValueError`` for bad arguments; return ``iou_threshold`` as a float."""
-    if not isinstance(boxes, Tensor):
-        raise TypeError(f"{op}: boxes must be a torch.Tensor, got {type(boxes).__name__}")
-    if not isinstance(scores, Tensor):
-        raise TypeError(f"{op}: scores must be a torch.Tensor, got {type(scores).__name__}")
+def check_argument_types(
+    op: str, boxes: object, scores: object, iou_threshold: object, offset: object, idxs: object = None
+) -> float:
+    """Raise ``TypeError`` unless the arguments are tensors and numbers; return ``iou_threshold`` as a float.
+
+    ``idxs`` is checked only for ``batched_nms`` (``op == "batched_nms"``).
+    """
+    named = [("boxes", boxes), ("scores", scores)] + ([("idxs", idxs)] if op == "batched_nms" else [])
+    for name, value in named:
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if isinstance(iou_threshold, bool) or not isinstance(iou_threshold, Real):
+        raise TypeError(f"{op}: iou_threshold must be a real number, got {type(iou_threshold).__name__}")
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"{op}: offset must be an int (0 or 1), got {type(offset).__name__}")
+    return float(iou_threshold)
+
+
+def _check_scalar_args(op: str, iou_threshold: float, offset: int) -> None:
+    if math.isnan(iou_threshold) or not 0.0 <= iou_threshold <= 1.0:
+        raise ValueError(f"{op}: iou_threshold must be a number in [0, 1], got {iou_threshold}")
+    if offset not in (0, 1):
+        raise ValueError(f"{op}: offset must be 0 or 1, got {offset}")
+
+
+def check_tensor_args(op: str, boxes: Tensor, scores: Tensor, iou_threshold: float, offset: int) -> None:
+    """Shapes, dtypes, devices, ``iou_threshold`` range and ``offset`` (``check_nms_args`` of ``nms_checks.h``)."""
     if boxes.dim() != 2 or boxes.shape[1] != 4:
-        raise ValueError(f"{op}: boxes must have shape (N, 4), got {tuple(boxes.shape)}")
+        raise ValueError(f"{op}: boxes must have shape (N, 4), got {list(boxes.shape)}")
     if scores.dim() != 1:
-        raise ValueError(f"{op}: scores must have shape (N,), got {tuple(scores.shape)}")
+        raise ValueError(f"{op}: scores must have shape (N,), got {list(scores.shape)}")
     if boxes.shape[0] != scores.shape[0]:
         raise ValueError(
             f"{op}: boxes and scores must have the same length N, got {boxes.shape[0]} boxes "
@@ -32,32 +62,29 @@ def check_nms_args(op: str, boxes: object, scores: object, iou_threshold: object
         raise TypeError(f"{op}: scores must have the dtype of boxes ({boxes.dtype}), got {scores.dtype}")
     if scores.device != boxes.device:
         raise ValueError(f"{op}: boxes and scores must be on the same device, got {boxes.device} and {scores.device}")
-    if isinstance(iou_threshold, bool) or not isinstance(iou_threshold, Real):
-        raise TypeError(f"{op}: iou_threshold must be a real number, got {type(iou_threshold).__name__}")
-    threshold = float(iou_threshold)
-    if math.isnan(threshold) or not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"{op}: iou_threshold must be a number in [0, 1], got {iou_threshold}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset not in (0, 1):
-        raise ValueError(f"{op}: offset must be the integer 0 or 1, got {offset!r}")
-    return threshold
+    _check_scalar_args(op, iou_threshold, offset)
 
 
-def check_idxs(boxes: Tensor, idxs: object) -> Tensor:
-    """Check the class ids of ``batched_nms``; return them as int64."""
-    if not isinstance(idxs, Tensor):
-        raise TypeError(f"batched_nms: idxs must be a torch.Tensor, got {type(idxs).__name__}")
+def batched_nms_input_is_empty(boxes: Tensor, iou_threshold: float, offset: int) -> bool:
+    """As ``torchvision.ops.batched_nms``: no box coordinates at all gives an empty result, whatever the shapes."""
+    _check_scalar_args("batched_nms", iou_threshold, offset)
+    return boxes.numel() == 0
+
+
+def check_idxs(boxes: Tensor, idxs: Tensor) -> Tensor:
+    """Check the class ids of ``batched_nms`` (``check_idxs_arg`` of ``nms_checks.h``); return them as int64."""
     if idxs.dim() != 1 or idxs.shape[0] != boxes.shape[0]:
-        raise ValueError(f"batched_nms: idxs must have shape (N,) with N = {boxes.shape[0]}, got {tuple(idxs.shape)}")
+        raise ValueError(f"batched_nms: idxs must have shape (N,) with N = {boxes.shape[0]}, got {list(idxs.shape)}")
     if idxs.dtype == torch.bool or idxs.dtype.is_floating_point or idxs.dtype.is_complex:
         raise TypeError(f"batched_nms: idxs must have an integer dtype, got {idxs.dtype}")
     if idxs.device != boxes.device:
         raise ValueError(f"batched_nms: idxs must be on the device of boxes ({boxes.device}), got {idxs.device}")
-    return idxs if idxs.dtype == torch.int64 else idxs.to(torch.int64)
+    return idxs.to(torch.int64)
 
 
 def check_finite(op: str, boxes: Tensor, scores: Tensor) -> None:
     """Raise ``ValueError`` when a coordinate or score is NaN or infinite (this one reads the data)."""
-    if not bool(torch.isfinite(boxes).all()):
-        raise ValueError(f"{op}: box coordinates must be finite (no NaN or infinity)")
     if not bool(torch.isfinite(scores).all()):
         raise ValueError(f"{op}: scores must be finite (no NaN or infinity)")
+    if not bool(torch.isfinite(boxes).all()):
+        raise ValueError(f"{op}: box coordinates must be finite (no NaN or infinity)")

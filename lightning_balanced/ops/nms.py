@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from lightning_balanced.ops import _loader
-from lightning_balanced.ops._checks import check_idxs, check_nms_args
+from lightning_balanced.ops._checks import check_argument_types
 from lightning_balanced.ops.nms_reference import batched_nms_reference, nms_reference
 
 __all__ = ["batched_nms", "nms"]
@@ -35,17 +35,29 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, offset: int = 0) ->
         Empty input gives an empty int64 tensor.
 
     Raises:
-        TypeError: if ``boxes``/``scores`` are not tensors of the same floating dtype, or ``iou_threshold`` is not
-            a real number.
+        TypeError: if ``boxes``/``scores`` are not tensors of the same floating dtype, ``iou_threshold`` is not a
+            real number, or ``offset`` is not an int.
         ValueError: if the shapes are not ``(N, 4)`` and ``(N,)``, the devices differ, ``iou_threshold`` is NaN or
             outside ``[0, 1]``, ``offset`` is not 0 or 1, or a coordinate or score is NaN or infinite.
 
+    The compiled operator makes the tensor checks, so they raise the same errors in eager mode and under
+    ``torch.compile(fullgraph=True)`` (when the compiled graph runs). Only the Python type checks (an argument that
+    is not a tensor or a number) run while tracing, where ``torch._dynamo`` reports them as ``Unsupported``
+    ("Observed exception") with our ``TypeError`` as the cause.
+
+    Differences from ``torchvision.ops.nms`` (0.29; tested in ``tests/test_nms_torchvision.py``): none on float
+    inputs except when an IoU equals ``iou_threshold`` exactly. torchvision divides in float32 and compares the
+    rounded quotient with the float64 threshold, so e.g. IoU 1/3 (rounded up to 0.33333334) suppresses at
+    threshold ``1/3``; here it never does (float64 input agrees with torchvision). torchvision also accepts no
+    ``offset``, NaN/infinite values or thresholds outside ``[0, 1]`` without an error.
+
     Source: greedy NMS as in ``torchvision.ops.nms``; ``offset`` as in ``mmcv.ops.nms``.
     """
-    threshold = check_nms_args("nms", boxes, scores, iou_threshold, offset)
-    if not _loader.has_kernel(boxes.device.type):
+    threshold = check_argument_types("nms", boxes, scores, iou_threshold, offset)
+    if not _use_compiled_op(boxes):
         _loader.warn_fallback_once(boxes.device.type)
         return nms_reference(boxes, scores, threshold, offset)
+    # The operator checks shapes, dtypes, devices, iou_threshold, offset and finiteness (csrc/nms_checks.h).
     out: Tensor = torch.ops.lightning_balanced.nms(boxes, scores, threshold, offset)
     return out
 
@@ -67,38 +79,54 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
 
     Returns:
         Tensor[K] (int64): indices of kept boxes, by decreasing score; equal scores keep the lower index first.
+        As in torchvision, input without coordinates (``boxes.numel() == 0``, e.g. shape ``(0, 4)`` or ``(0,)``)
+        gives an empty int64 tensor whatever the shapes and dtypes of ``scores`` and ``idxs``.
 
     Raises:
-        TypeError: as in :func:`nms`, or if ``idxs`` is not an integer tensor.
+        TypeError: as in :func:`nms`, or if ``idxs`` is not a tensor of an integer dtype.
         ValueError: as in :func:`nms`, or if ``idxs`` is not ``(N,)`` on the device of ``boxes``.
+
+    Differences from ``torchvision.ops.batched_nms`` (0.29; each asserted in ``tests/test_nms_torchvision.py``).
+    The kept set and order are torchvision's except:
+
+    1. Offset trick (torchvision, CPU, ``N <= 1000``): it shifts class ``c`` by ``c * (max coordinate + 1)`` in
+       the input dtype, so large class ids or coordinates lose low bits (float32; much sooner in float16/bfloat16)
+       and IoUs near the threshold change; we compute on the original coordinates, i.e. torchvision's ``nms`` per
+       class.
+    2. Negative coordinates (outside torchvision's documented ``0 <= x1 < x2``): its offset no longer separates
+       the classes, and boxes of different classes can suppress each other; here they never do.
+    3. Tie order (torchvision, CPU, ``N > 1000``): it merges the classes with an unstable sort, so boxes of equal
+       score may come in any order; we keep the lower index first. Same set, same order up to ties.
+    4. IoU exactly equal to ``iou_threshold``: as for :func:`nms`.
 
     Source: ``torchvision.ops.batched_nms`` semantics; ``offset`` as in ``mmcv.ops.nms``.
     """
-    threshold = check_nms_args("batched_nms", boxes, scores, iou_threshold, offset)
-    classes = check_idxs(boxes, idxs)
-    if not _loader.has_kernel(boxes.device.type):
+    threshold = check_argument_types("batched_nms", boxes, scores, iou_threshold, offset, idxs)
+    if not _use_compiled_op(boxes):
         _loader.warn_fallback_once(boxes.device.type)
-        return batched_nms_reference(boxes, scores, classes, threshold, offset)
-    out: Tensor = torch.ops.lightning_balanced.batched_nms(boxes, scores, classes, threshold, offset)
+        return batched_nms_reference(boxes, scores, idxs, threshold, offset)
+    out: Tensor = torch.ops.lightning_balanced.batched_nms(boxes, scores, idxs, threshold, offset)
     return out
 
 
+def _use_compiled_op(boxes: Tensor) -> bool:
+    """Whether the compiled operator serves ``boxes``: a kernel for its device, or meta tensors (the fake kernel).
+
+    Fake tensors (``torch.compile``, ``FakeTensorMode``) report the device they stand for, so they are served
+    whenever real tensors on that device are, and the dispatcher sends them to the fake kernel.
+    """
+    return _loader.has_kernel(boxes.device.type) or (boxes.device.type == "meta" and _loader.has_compiled_ops())
+
+
+# The fake kernels only describe the output: int64 indices of a data-dependent length K <= N. They check nothing,
+# so under torch.compile the argument checks run in C++ when the graph runs, with the same ValueError/TypeError
+# as in eager mode (a check raised while tracing would reach the user wrapped in a torch._dynamo error).
 def _nms_fake(boxes: Tensor, scores: Tensor, iou_threshold: float, offset: int = 0) -> Tensor:
-    torch._check(boxes.dim() == 2 and boxes.shape[1] == 4, lambda: "nms: boxes must have shape (N, 4)")
-    torch._check(scores.dim() == 1, lambda: "nms: scores must have shape (N,)")
-    torch._check(boxes.shape[0] == scores.shape[0], lambda: "nms: boxes and scores must have the same length")
-    torch._check(boxes.dtype == scores.dtype, lambda: "nms: scores must have the dtype of boxes")
     kept = torch.library.get_ctx().new_dynamic_size()
     return boxes.new_empty((kept,), dtype=torch.int64)
 
 
 def _batched_nms_fake(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, offset: int = 0) -> Tensor:
-    torch._check(boxes.dim() == 2 and boxes.shape[1] == 4, lambda: "batched_nms: boxes must have shape (N, 4)")
-    torch._check(scores.dim() == 1, lambda: "batched_nms: scores must have shape (N,)")
-    torch._check(
-        boxes.shape[0] == scores.shape[0] and idxs.shape[0] == boxes.shape[0],
-        lambda: "batched_nms: boxes, scores and idxs must have the same length",
-    )
     kept = torch.library.get_ctx().new_dynamic_size()
     return boxes.new_empty((kept,), dtype=torch.int64)
 

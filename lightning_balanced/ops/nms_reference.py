@@ -19,7 +19,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_balanced.ops._checks import check_finite, check_idxs, check_nms_args
+from lightning_balanced.ops._checks import (
+    batched_nms_input_is_empty,
+    check_argument_types,
+    check_finite,
+    check_idxs,
+    check_tensor_args,
+)
 
 __all__ = ["batched_nms_reference", "nms_reference"]
 
@@ -69,7 +75,8 @@ def nms_reference(boxes: Tensor, scores: Tensor, iou_threshold: float, offset: i
         TypeError: if an argument has the wrong type or dtype.
         ValueError: if a shape, device, ``iou_threshold`` or ``offset`` is invalid, or a value is NaN or infinite.
     """
-    threshold = check_nms_args("nms", boxes, scores, iou_threshold, offset)
+    threshold = check_argument_types("nms", boxes, scores, iou_threshold, offset)
+    check_tensor_args("nms", boxes, scores, threshold, offset)
     check_finite("nms", boxes, scores)
     ct = _compute_dtype(boxes.dtype)
     order = torch.sort(scores.to(ct), descending=True, stable=True).indices
@@ -96,7 +103,10 @@ def batched_nms_reference(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_thres
         TypeError: if an argument has the wrong type or dtype.
         ValueError: if a shape, device, ``iou_threshold`` or ``offset`` is invalid, or a value is NaN or infinite.
     """
-    threshold = check_nms_args("batched_nms", boxes, scores, iou_threshold, offset)
+    threshold = check_argument_types("batched_nms", boxes, scores, iou_threshold, offset, idxs)
+    if batched_nms_input_is_empty(boxes, threshold, offset):
+        return torch.empty(0, dtype=torch.int64, device=boxes.device)
+    check_tensor_args("batched_nms", boxes, scores, threshold, offset)
     classes = check_idxs(boxes, idxs)
     check_finite("batched_nms", boxes, scores)
     ct = _compute_dtype(boxes.dtype)
