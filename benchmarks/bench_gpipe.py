@@ -8,12 +8,13 @@ batch of ``--batch-size`` random samples (MSE loss), either
     each, the ``Trainer(accelerator="cpu", devices=N, strategy="gpipe")`` path), for chunks 1/4/8 with
     ``checkpoint="never"``, ``"except_last"`` and ``"always"``.
 
-Every configuration runs in a fresh process, so peak memory is that process's peak resident set size during the
-steps minus its peak before them (model, optimizer state and input are already there): what the steps add, i.e. the
+Peak memory: every configuration runs two steps in a fresh process, whose peak resident set size during the steps minus
+its peak before them (model, optimizer and input are already there) is what the steps add, i.e. the
 gradients and, above all, the activations kept for backward and the recomputation. glibc is told to map every
 allocation above 64 KiB on its own and to use one arena for all threads, so freed tensors leave the resident set at once
 and the peak follows live tensors, whichever thread made them (torch's profiler records only the calling thread).
-Step time is the median of ``--steps`` timed steps after one warm-up step.
+Step time: all configurations live in this process and take their steps in turn (one warm-up step each, then
+``--steps`` rounds), so a change of machine load hits every configuration alike; the median per configuration.
 
 What to expect: without checkpointing the pipeline keeps every activation, as the unpipelined model does; with it,
 each partition keeps only its input per micro-batch and recomputes one micro-batch at a time in backward, so peak
@@ -54,30 +55,51 @@ def build(depth: int, width: int) -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(width, 1))
 
 
-def worker(args: argparse.Namespace) -> dict[str, float]:
-    torch.set_num_threads(args.threads)
+def make(args: argparse.Namespace, chunks: int, checkpoint: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model (``chunks=0``: unpipelined) and its optimizer."""
     model: nn.Module = build(args.depth, args.width)
-    if args.chunks:
+    if chunks:
         from lightning_balanced.pipeline import Pipe
 
         layers = len(model)
         first = layers // args.partitions + layers % args.partitions
         balance = [first] + [layers // args.partitions] * (args.partitions - 1)
-        model = Pipe(model, balance, [torch.device("cpu")] * args.partitions, args.chunks, args.checkpoint)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        model = Pipe(model, balance, [torch.device("cpu")] * args.partitions, chunks, checkpoint)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-4)
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One SGD step; returns its seconds."""
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=False)
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def peak_memory(args: argparse.Namespace) -> float:
+    """MiB the first two steps add to this process's peak resident set (run in a fresh process)."""
+    torch.set_num_threads(args.threads)
+    model, optimizer = make(args, args.chunks, args.checkpoint)
     x, y = torch.randn(args.batch_size, args.width), torch.randn(args.batch_size, 1)
-
-    def step() -> float:
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=False)
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        return time.perf_counter() - start
-
     before = _peak_rss_mib()
-    step()  # warm-up: gradients allocated, worker threads started
-    times = [step() for _ in range(args.steps)]
-    return {"step_ms": 1000 * statistics.median(times), "peak_mib": _peak_rss_mib() - before}
+    step(model, optimizer, x, y)
+    step(model, optimizer, x, y)
+    return _peak_rss_mib() - before
+
+
+def step_times(args: argparse.Namespace, configs: list[tuple[int, str]]) -> list[float]:
+    """Median step seconds of each configuration, all in this process, interleaved so load changes hit all alike."""
+    torch.set_num_threads(args.threads)
+    models = [make(args, chunks, checkpoint) for chunks, checkpoint in configs]
+    x, y = torch.randn(args.batch_size, args.width), torch.randn(args.batch_size, 1)
+    for model, optimizer in models:
+        step(model, optimizer, x, y)  # warm-up: gradients allocated, worker threads started
+    times: list[list[float]] = [[] for _ in models]
+    for _ in range(args.steps):
+        for k, (model, optimizer) in enumerate(models):
+            times[k].append(step(model, optimizer, x, y))
+    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -93,7 +115,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args)))
+        print(json.dumps(peak_memory(args)))
         return
 
     common = [
@@ -109,24 +131,25 @@ def main() -> None:
     # threads, so the peak resident set follows the peak of live tensors, whichever thread allocated them.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
 
-    def run(chunks: int, checkpoint: str) -> dict[str, float]:
+    def memory(chunks: int, checkpoint: str) -> float:
         command = [sys.executable, __file__, "--worker", *common, f"--chunks={chunks}", f"--checkpoint={checkpoint}"]
         out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
-        return dict(json.loads(out.strip().splitlines()[-1]))
+        return float(json.loads(out.strip().splitlines()[-1]))
 
     print(
         f"MLP depth={args.depth} width={args.width} batch={args.batch_size}, {args.partitions} CPU partitions,"
         f" {args.threads} torch thread(s)/process, median of {args.steps} steps"
     )
-    anchor = run(0, "never")
+    configs = [(0, "never"), *CONFIGS]
+    peaks = [memory(chunks, checkpoint) for chunks, checkpoint in configs]
+    seconds = step_times(args, configs)
     print(f"{'configuration':<38} {'step ms':>9} {'x time':>7} {'peak MiB':>9} {'x memory':>9}")
-    print(f"{'unpipelined (anchor)':<38} {anchor['step_ms']:9.1f} {1:7.2f} {anchor['peak_mib']:9.1f} {1:9.2f}")
-    for chunks, checkpoint in CONFIGS:
-        result = run(chunks, checkpoint)
-        name = f"gpipe chunks={chunks} checkpoint={checkpoint}"
-        time_ratio = result["step_ms"] / anchor["step_ms"]
-        memory_ratio = result["peak_mib"] / anchor["peak_mib"] if anchor["peak_mib"] > 0 else float("nan")
-        print(f"{name:<38} {result['step_ms']:9.1f} {time_ratio:7.2f} {result['peak_mib']:9.1f} {memory_ratio:9.2f}")
+    for (chunks, checkpoint), peak, time_s in zip(configs, peaks, seconds, strict=True):
+        name = f"gpipe chunks={chunks} checkpoint={checkpoint}" if chunks else "unpipelined (anchor)"
+        print(
+            f"{name:<38} {1000 * time_s:9.1f} {time_s / seconds[0]:7.2f} {peak:9.1f}"
+            f" {peak / peaks[0] if peaks[0] > 0 else float('nan'):9.2f}"
+        )
 
 
 if __name__ == "__main__":
