@@ -1,24 +1,20 @@
 """PyTorch Lightning plugins for one multi-GPU box.
 
-Importing the package registers its strategies, so ``Trainer(strategy="balanced_dp")`` and
-``Trainer(strategy="ddp_lr_linear")`` work.
+Importing the package registers its strategies, so ``Trainer(strategy="balanced_dp")``,
+``Trainer(strategy="ddp_lr_linear")`` and ``Trainer(strategy="gpipe")`` work.
 """
-
-from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_balanced.detection import coco_map, postprocess_detections
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
 from lightning_balanced.lr_scaling import unscale_learning_rates
 from lightning_balanced.parallel import plan_chunk_sizes
-from lightning_balanced.strategies import BalancedDataParallelStrategy, LRScaledDDPStrategy
-from lightning_balanced.strategies.gpipe import GPipeStrategy
+from lightning_balanced.strategies import BalancedDataParallelStrategy, GPipeStrategy, LRScaledDDPStrategy
 from lightning_balanced.strategies.registration import register_strategies
 from lightning_balanced.sync_batchnorm import SyncBatchNorm
 
 __version__ = "0.1.0.dev0"
 
 register_strategies()
-GPipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "BalancedDataParallelStrategy",

@@ -448,48 +448,6 @@ def test_cuda_mixed_precision_and_memory_report(caplog: pytest.LogCaptureFixture
     assert any("peak GPU memory" in r.getMessage() for r in caplog.records)
 
 
-def test_standalone_pytorch_lightning_registry_has_its_own_variant() -> None:
-    ptl = pytest.importorskip("pytorch_lightning")
-    from pytorch_lightning.strategies import ParallelStrategy
-    from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
-
-    from lightning_balanced.strategies.registration import standalone_strategy
-
-    variant = standalone_strategy(BalancedDataParallelStrategy)
-    assert issubclass(variant, ParallelStrategy)
-    assert StandaloneRegistry["balanced_dp"]["strategy"] is variant
-
-    class Tiny(ptl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.Linear(5, 3).double()
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return F.mse_loss(self.layer(batch[0]), batch[1])
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.5)
-
-    dataset = _data(10)
-    model = Tiny()
-    reference = copy.deepcopy(model.layer)
-    F.mse_loss(reference(dataset[:][0]), dataset[:][1]).backward()
-    torch.optim.SGD(reference.parameters(), lr=0.5).step()
-    trainer = ptl.Trainer(
-        strategy=variant(chunk_sizes=[7, 3]),
-        accelerator="cpu",
-        devices=2,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, DataLoader(dataset, batch_size=10))
-    for got, expected in zip(model.layer.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(got, expected, **EXACT)
-
-
 class _DivergentManual(Regressor):
     """Manual optimization where only replicas with more than 3 samples call the optimizer, or replica 1 fails."""
 
@@ -519,39 +477,3 @@ def test_manual_optimization_never_hangs_when_replicas_diverge(failure: str, mon
     if failure == "raise":  # released at once, with the failing replica's error as the cause
         error = info.value if isinstance(info.value, KeyError) else info.value.__cause__
         assert isinstance(error, KeyError)
-
-
-class _PluginStrategy(BalancedDataParallelStrategy):
-    strategy_name = "plugin_dp_for_tests"
-
-
-class _BrokenPlugin:
-    @classmethod
-    def register_strategies(cls, registry: Any) -> None:
-        raise ValueError("'balanced_dp' is already present in the registry")
-
-
-def test_plugins_in_the_entry_point_group_are_registered_and_a_broken_one_is_only_logged(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    import importlib.metadata
-
-    from lightning_balanced.strategies import registration
-
-    ours = list(importlib.metadata.entry_points(group=registration.ENTRY_POINT_GROUP))
-    assert {e.value for e in ours} == {
-        "lightning_balanced.strategies.balanced_dp:BalancedDataParallelStrategy",
-        "lightning_balanced.strategies.ddp:LRScaledDDPStrategy",
-    }
-    plugins = [
-        importlib.metadata.EntryPoint("plugin_dp", f"{__name__}:_PluginStrategy", registration.ENTRY_POINT_GROUP),
-        importlib.metadata.EntryPoint("broken", f"{__name__}:_BrokenPlugin", registration.ENTRY_POINT_GROUP),
-    ]
-    monkeypatch.setattr(registration.importlib.metadata, "entry_points", lambda group: [*ours, *plugins])
-    try:
-        with caplog.at_level(logging.WARNING):
-            assert "balanced_dp" in registration.register_strategies()
-        assert StrategyRegistry["plugin_dp_for_tests"]["strategy"] is _PluginStrategy
-        assert any("'broken'" in r.getMessage() for r in caplog.records)
-    finally:
-        StrategyRegistry.pop("plugin_dp_for_tests", None)

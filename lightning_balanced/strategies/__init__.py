@@ -2,5 +2,6 @@
 
 from lightning_balanced.strategies.balanced_dp import BalancedDataParallelStrategy
 from lightning_balanced.strategies.ddp import LRScaledDDPStrategy
+from lightning_balanced.strategies.gpipe import GPipeStrategy
 
-__all__ = ["BalancedDataParallelStrategy", "LRScaledDDPStrategy"]
+__all__ = ["BalancedDataParallelStrategy", "GPipeStrategy", "LRScaledDDPStrategy"]

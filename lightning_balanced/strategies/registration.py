@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_balanced.strategies.balanced_dp import BalancedDataParallelStrategy
 from lightning_balanced.strategies.ddp import LRScaledDDPStrategy
+from lightning_balanced.strategies.gpipe import GPipeStrategy
 
 __all__ = ["STRATEGIES", "StrategyNameConflict", "register_strategies", "register_strategy"]
 
@@ -26,6 +27,7 @@ __all__ = ["STRATEGIES", "StrategyNameConflict", "register_strategies", "registe
 STRATEGIES: tuple[type, ...] = (
     BalancedDataParallelStrategy,
     LRScaledDDPStrategy,
+    GPipeStrategy,
 )
 
 
