@@ -58,7 +58,8 @@ def warn_fallback_once(device_type: str) -> None:
         f"{why}. lightning_balanced.ops.nms and batched_nms now run a pure-PyTorch fallback (one Python step "
         "per kept box; much slower on large inputs, same results). To build the compiled ops, run "
         "`pip install --no-build-isolation -e .` in the source tree with a C++ compiler available "
-        "(without LIGHTNING_BALANCED_NO_EXT=1; for CUDA, with CUDA_HOME set or FORCE_CUDA=1).",
+        "(without LIGHTNING_BALANCED_NO_EXT=1; for the CUDA kernels, a CUDA build of torch and a CUDA toolkit, or "
+        "LIGHTNING_BALANCED_CUDA=1 to fail loudly when one is missing).",
         CompiledOpsMissingWarning,
         stacklevel=3,
     )
