@@ -205,14 +205,14 @@ class _Keep:
         # DistributedSampler(shuffle=False)'s layout, Lightning's default for evaluation: rank r's j-th row is sample
         # (j * W + r) % n, where only the last row can wrap. Then the first n rows of the ranks' interleave are the
         # samples in order: no sort, no table.
-        last = (self.longest - 1) * world_size
+        last, grid = (self.longest - 1) * world_size, torch.arange(self.longest * world_size)
         self.interleave = set(counts) == {self.longest} and last < n
         self.interleave = self.interleave and all(
-            torch.equal(b[:-1], torch.arange(r, r + last, world_size)) and int(b[-1]) == (last + r) % n
+            torch.equal(b[:-1], grid[r:last:world_size]) and int(b[-1]) == (last + r) % n
             for r, b in enumerate(self.blocks)
         )
         if self.interleave:
-            self.indices = torch.arange(n)
+            self.indices = grid[:n]
             return
         ordered, order = torch.sort(torch.cat(self.blocks), stable=True)  # an index's copies stay in rank order
         first = torch.cat([torch.ones(1, dtype=torch.bool), ordered[1:] != ordered[:-1]])
@@ -275,10 +275,13 @@ def _meet(group: Any, timeout_s: float) -> None:
         ) from cause
 
 
+_structures: dict[Any, Any] = {}  # one object per distinct structure: calls compare by identity at the gather
+
+
 def _problems(buffer: list[Any]) -> str | None:
-    if len({signature[0] for signature, *_ in buffer}) > 1:
+    if any(structure is not buffer[0][0][0] for (structure, _), *_ in buffer):
         return "the per-sample fields (names, kinds, dtypes or trailing shapes) changed between calls on one rank"
-    return "`indices` was given in some calls and not in others" if len({c[0] for c in buffer}) > 1 else None
+    return "`indices` was given in some calls and not in others" if len({c[0][1] for c in buffer}) > 1 else None
 
 
 def _mismatch(metas: list[_Meta]) -> str | None:
@@ -413,7 +416,8 @@ class DistributedEvalMixin:
         index = None if indices is None else _as_indices(indices, count, device)
         if count:  # list.append is thread-safe: balanced_dp's replicas add from their threads
             values = [kind.keep(value, device) for _, kind, value in leaves]
-            self._eval_buffer.append(((structure, index is not None), values, index, count))
+            signature = (_structures.setdefault(structure, structure), index is not None)  # one hash per call
+            self._eval_buffer.append((signature, values, index, count))
 
     def gather_eval_outputs(
         self, *, dataset_size: int | None = None, group: Any | None = None, timeout_s: float = 60.0
