@@ -62,11 +62,11 @@ def split(batch: Any, sizes: Sequence[int], device: torch.device) -> list[Any]:
 def join(outputs: Sequence[Any], sizes: Sequence[int], device: torch.device) -> Any:
     """Concatenate the micro-batches' outputs along dim 0 on ``device``, in order; the inverse of :func:`split`.
 
-    0-dim tensors become their mean weighted by micro-batch size, other leaves equal in every output are kept once
-    (:func:`~lightning_balanced.parallel.gather`).
+    The micro-batches are combined as balanced_dp combines its chunks (:func:`~lightning_balanced.parallel.gather`):
+    batched tensors and per-sample lists concatenated, 0-dim floating tensors as their mean weighted by micro-batch
+    size, 0-dim integer/bool tensors summed, other leaves equal in every output kept once.
     """
-    total = sum(sizes)
-    return gather(outputs, device, [size / total for size in sizes])
+    return gather(outputs, device, list(sizes))
 
 
 def flatten(value: Any) -> tuple[list[Tensor], Callable[[Sequence[Tensor]], Any]]:
