@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -16,7 +16,6 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor
 from torch.nn import Module
 from torchmetrics import Metric
 from typing_extensions import override
@@ -47,6 +46,7 @@ from lightning_balanced.strategies.replica_hooks import (
     replay_logs,
     share_metrics,
 )
+from lightning_balanced.strategies.single_process import SingleProcess
 
 _REPORT_MEMORY_AFTER_STEPS = 3
 _RENDEZVOUS_TIMEOUT_S = 120.0
@@ -97,13 +97,7 @@ class _StepDispatcher(Module):
             raise
 
 
-if TYPE_CHECKING:
-    _StrategyBase = ParallelStrategy
-else:
-    _StrategyBase = object
-
-
-class BalancedDataParallel(_StrategyBase):
+class BalancedDataParallel(SingleProcess):
     """The implementation of :class:`BalancedDataParallelStrategy`, free of a Lightning base class.
 
     Combined with ``lightning.pytorch``'s ``ParallelStrategy`` it is :class:`BalancedDataParallelStrategy`; combined
@@ -161,67 +155,6 @@ class BalancedDataParallel(_StrategyBase):
     def weights(self) -> list[float] | None:
         """The ``weights`` option, or ``None`` when the split uses another."""
         return self.split_policy.weights if isinstance(self.split_policy, WeightedSplit) else None
-
-    # ---- a single process ------------------------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None, "parallel_devices are set by the Trainer"
-        return self.parallel_devices[0]
-
-    @property
-    @override
-    def global_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return 1
-
-    @property
-    def is_distributed(self) -> bool:
-        """One process: Lightning adds no ``DistributedSampler``."""
-        return False
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Identity: there is one process, and the replicas' outputs are already combined by the step."""
-        return tensor
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Identity: there is one process."""
-        return tensor
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        """Nothing to wait for in one process."""
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Identity: there is one process."""
-        return obj
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Identity: there is one process."""
-        return decision
 
     @override
     def model_to_device(self) -> None:

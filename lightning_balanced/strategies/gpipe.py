@@ -26,6 +26,7 @@ from lightning_balanced.pipeline.balance import (
     split_costs,
 )
 from lightning_balanced.pipeline.pipe import validate_balance, validate_checkpoint, validate_chunks
+from lightning_balanced.strategies.single_process import SingleProcess
 
 __all__ = ["GPipeStrategy"]
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 _BALANCE_METHODS: tuple[str, ...] = ("auto", "time", "memory", "parameters")
 
 
-class GPipeStrategy(ParallelStrategy):
+class GPipeStrategy(SingleProcess, ParallelStrategy):
     """Pipeline parallelism in one process: a LightningModule's ``nn.Sequential`` cut over devices, GPipe-style.
 
     The ``nn.Sequential`` is cut into one partition per device and each batch flows through them as micro-batches, on
@@ -128,67 +129,6 @@ class GPipeStrategy(ParallelStrategy):
         self._pipe: Pipe | None = None
         self._balance_method = "given"
         self._reported_balance: list[int] | None = None
-
-    # ---- a single process ------------------------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None, "parallel_devices are set by the Trainer"
-        return self.parallel_devices[0]
-
-    @property
-    @override
-    def global_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return 1
-
-    @property
-    def is_distributed(self) -> bool:
-        """One process: Lightning adds no ``DistributedSampler``."""
-        return False
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Identity: there is one process."""
-        return tensor
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Identity: there is one process."""
-        return tensor
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        """Nothing to wait for in one process."""
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Identity: there is one process."""
-        return obj
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Identity: there is one process."""
-        return decision
 
     # ---- placement -------------------------------------------------------------------------------------------------
     @override
