@@ -95,6 +95,10 @@ class LightningBalancedCLI(LightningCLI):
                 action.help = _strategy_help()
 
 
-def main(args: list[str] | None = None) -> LightningBalancedCLI:
-    """Run ``lightning-balanced`` on ``args`` (``sys.argv[1:]`` when ``None``) and return the CLI object."""
-    return LightningBalancedCLI(args=args)
+def main(args: list[str] | None = None) -> None:
+    """Run ``lightning-balanced`` on ``args`` (``sys.argv[1:]`` when ``None``).
+
+    The console script calls ``sys.exit(main())``, so this returns ``None`` (exit status 0); errors propagate as
+    exceptions or LightningCLI's own ``SystemExit``. Use :class:`LightningBalancedCLI` directly for the CLI object.
+    """
+    LightningBalancedCLI(args=args)
