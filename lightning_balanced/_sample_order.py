@@ -12,12 +12,35 @@ is sorted by the gathered indices instead, and a repeat on one rank is refused.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["KeptRows", "interleave_size", "sampler_positions", "sampler_tail"]
+__all__ = ["KeptRows", "interleave_size", "sample_indices", "sampler_positions", "sampler_tail"]
+
+
+def sample_indices(indices: Any, count: int, device: torch.device) -> Tensor:
+    """``add_eval_outputs``'s ``indices`` as int64 on ``device``: values checked here on the CPU, else at the gather.
+
+    Raises:
+        ValueError: not integers, not ``count`` of them, or negative.
+    """
+    if isinstance(indices, Tensor):
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise ValueError(f"`indices` must hold integers, got a tensor of dtype {indices.dtype}")
+        index = indices.detach().reshape(-1).to(dtype=torch.int64)
+    elif any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in indices):
+        raise ValueError(f"`indices` must hold integers, got {list(indices)[:5]}...")
+    else:
+        index = torch.tensor(list(indices), dtype=torch.int64)
+    if index.numel() != count:
+        raise ValueError(f"`indices` has {index.numel()} entries but the fields have {count} samples")
+    if index.device.type == "cpu" and index.numel() and int(index.min()) < 0:
+        raise ValueError(f"`indices` must be >= 0, got {int(index.min())}")
+    return index.to(device)
 
 
 def sampler_tail(index: Tensor | None, count: int, rank: int, world_size: int, dataset_size: int | None) -> int | None:

@@ -4,16 +4,17 @@
 ``[0, 2, 4]`` and ``[1, 3, 0]``, an accuracy of 1/5 reported as 2/6). :class:`DistributedEvalMixin` buffers per-sample
 outputs on the root device, with no collective inside steps. At epoch end, ``gather_eval_outputs``:
 
-1. exchanges each rank's fields (names, kinds, dtypes, trailing shapes), sample count, problems and Python-object
-   fields through the store, waiting at most ``timeout_s`` (:func:`store_all_gather_object`). Every rank checks the
-   same list, so all raise the same error, or none;
-2. gathers the tensors with torchmetrics' ``gather_all_tensors``, one field after the other: ``indices`` when given,
-   then one tensor per tensor field and two per ragged field (rows, per-sample lengths);
-3. keeps each sample index once, given or generated (rank ``r``'s ``j``-th sample is ``DistributedSampler``'s
-   position ``p = j * W + r``, which holds the sample of position ``p % dataset_size``), ordered by index.
+1. exchanges each rank's fields (names, kinds, dtypes, trailing shapes), sample count, problems, Python objects and
+   whether its indices follow DistributedSampler's layout, through the store and waiting at most ``timeout_s``
+   (:func:`~lightning_balanced.store_all_gather.store_all_gather_object`). Every rank checks the same list, so all
+   raise the same error, or none;
+2. gathers the fields one after the other with torchmetrics' ``gather_all_tensors``: one tensor per tensor field, two
+   per ragged field (rows, per-sample lengths), and the indices only when the ranks' samples are not the sampler's
+   interleave (shuffled, filtered);
+3. keeps each sample index once, ordered by index (``lightning_balanced._sample_order``).
 
-Collectives per epoch: 3 per gathered tensor (barrier, shapes, rows): 9 for ``preds`` and ``target`` with
-``indices``. The store exchange adds ``2 + W`` round trips per rank and no collective.
+Collectives per epoch: 3 per gathered tensor (barrier, shapes, rows). ``preds`` and ``target``: 6, or 9 with a
+shuffled loader. The store exchange adds five round trips per rank.
 
 Why torchmetrics' gather: in ``benchmarks/bench_gather.py``'s setting, our own variable-length ``all_gather`` (no
 barrier, no zero-filled receive buffers) took 0.72, 0.87 and 0.90 of the time at 1e5 samples but 1.10, 1.02 and 1.05
@@ -23,7 +24,6 @@ Anchors: HF accelerate's ``gather_for_metrics``, Composer's exact eval, torchmet
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -34,7 +34,13 @@ from torch.utils.data import Dataset
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 import lightning_balanced._per_sample_fields as per_sample
-from lightning_balanced._sample_order import KeptRows, interleave_size, sampler_positions, sampler_tail
+from lightning_balanced._sample_order import (
+    KeptRows,
+    interleave_size,
+    sample_indices,
+    sampler_positions,
+    sampler_tail,
+)
 from lightning_balanced.store_all_gather import store_all_gather_object
 
 __all__ = ["DistributedEvalMixin", "IndexedDataset"]
@@ -61,7 +67,6 @@ class _Call(NamedTuple):
     """One ``add_eval_outputs`` call with samples: its fields' structure (interned), its leaves' values, its indices."""
 
     structure: Any
-    given: bool
     values: list[Any]
     indices: Tensor | None
     samples: int
@@ -83,7 +88,7 @@ _structures: dict[Any, Any] = {}  # one object per distinct structure: calls com
 def _problem(calls: list[_Call], index: Tensor | None) -> str | None:
     if any(call.structure is not calls[0].structure for call in calls):
         return "the per-sample fields (names, kinds, dtypes or trailing shapes) changed between calls on one rank"
-    if len({call.given for call in calls}) > 1:
+    if len({call.indices is None for call in calls}) > 1:
         return "`indices` was given in some calls and not in others"
     negative = index is not None and index.numel() > 0 and int(index.min()) < 0  # indices added on an accelerator
     return f"`indices` must be >= 0, got {int(index.min())}" if negative else None  # type: ignore[union-attr]
@@ -120,7 +125,7 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
     problem, count = _problem(calls, index_cpu), sum(call.samples for call in calls)
     meta = _Meta(
         problem,
-        (calls[0].structure, calls[0].given) if calls and not problem else None,
+        (calls[0].structure, calls[0].indices is not None) if calls and not problem else None,
         count,
         None if problem else sampler_tail(index_cpu, count, rank, world_size, dataset_size),
         [kind.objects([call.values[k] for call in calls]) for k, kind in enumerate(kinds)],
@@ -141,9 +146,12 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
 
     counts = [m.samples for m in metas]
     n = interleave_size(counts, [m.tail for m in metas])
-    if n is None:  # not the sampler's interleave: sort by the indices, gathered or generated
-        blocks = gather(index) if reference[1] else sampler_positions(counts, dataset_size)
-    kept = KeptRows(counts, device, n, blocks if n is None else ())
+    if n is not None:  # the sampler's interleave: the indices need no gather
+        kept = KeptRows(counts, device, n)
+    else:  # sorted by the indices, gathered or generated
+        kept = KeptRows(
+            counts, device, None, gather(index) if reference[1] else sampler_positions(counts, dataset_size)
+        )
     values = (  # one field at a time: its gathered copies are freed before the next one arrives
         kind.unpack(
             [gather(t) for t in kind.pack([c.values[k] for c in calls], device)],
@@ -154,23 +162,6 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
     )
     result: dict[str, Any] = per_sample.rebuild(reference[0], values)
     return {**result, "indices": kept.indices} if reference[1] else result
-
-
-def _as_indices(indices: Any, count: int, device: torch.device) -> Tensor:
-    """``indices`` as int64 on ``device``; their values are checked here if on the CPU, else at the gather."""
-    if isinstance(indices, Tensor):
-        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
-            raise ValueError(f"`indices` must hold integers, got a tensor of dtype {indices.dtype}")
-        index = indices.detach().reshape(-1).to(dtype=torch.int64)
-    elif any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in indices):
-        raise ValueError(f"`indices` must hold integers, got {list(indices)[:5]}...")
-    else:
-        index = torch.tensor(list(indices), dtype=torch.int64)
-    if index.numel() != count:
-        raise ValueError(f"`indices` has {index.numel()} entries but the fields have {count} samples")
-    if index.device.type == "cpu" and index.numel() and int(index.min()) < 0:
-        raise ValueError(f"`indices` must be >= 0, got {int(index.min())}")
-    return index.to(device)
 
 
 class DistributedEvalMixin:
@@ -231,11 +222,11 @@ class DistributedEvalMixin:
         if len(set(counts.values())) > 1:
             raise ValueError(f"Per-sample fields disagree on the number of samples: {counts}")
         count = next(iter(counts.values()))
-        index = None if indices is None else _as_indices(indices, count, device)
+        index = None if indices is None else sample_indices(indices, count, device)
         if count:  # list.append is thread-safe: balanced_dp's replicas add from their threads
             values = [kind.keep(value, device) for _, kind, value in leaves]
             structure = _structures.setdefault(structure, structure)  # one hash per call
-            self._eval_buffer.append(_Call(structure, index is not None, values, index, count))
+            self._eval_buffer.append(_Call(structure, values, index, count))
 
     def gather_eval_outputs(
         self, *, dataset_size: int | None = None, group: Any | None = None, timeout_s: float = 60.0
@@ -273,12 +264,9 @@ class DistributedEvalMixin:
         trainer = getattr(self, "_trainer", None)
         if trainer is None:
             return None
-        if trainer.validating or trainer.sanity_checking or (trainer.training and trainer.val_dataloaders is not None):
+        if trainer.validating or trainer.sanity_checking or trainer.training:
             loaders = trainer.val_dataloaders
         else:
             loaders = trainer.test_dataloaders if trainer.testing else trainer.predict_dataloaders
-        loader = (loaders[0] if loaders else None) if isinstance(loaders, (list, tuple)) else loaders
-        try:
-            return len(loader.dataset)  # type: ignore[union-attr]
-        except (AttributeError, TypeError):
-            return None
+        loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
+        return len(loader.dataset) if hasattr(loader, "dataset") and hasattr(loader.dataset, "__len__") else None

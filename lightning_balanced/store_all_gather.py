@@ -31,9 +31,10 @@ def _present(store: Any, key: str, set_it: bool = False) -> bool:
 def store_all_gather_object(obj: Any, *, caller: str, timeout_s: float, group: Any | None = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order, on every rank of ``group``; waits at most ``timeout_s``.
 
-    Each rank ``set``s its pickled object under a key of this exchange, ``wait``s for the others' keys and ``get``s
-    them (``2 + W`` store round trips), then deletes its key of the previous exchange, which every rank has read by
-    then. Every rank of ``group`` must call it the same number of times for the same ``caller``.
+    Each rank ``set``s its pickled object under a key of this exchange, ``wait``s for the others' keys, ``check``s
+    that no rank gave up, reads them in one ``multi_get`` and deletes its key of the previous exchange, which every
+    rank has read by then: five store round trips, no collective. Every rank of ``group`` must call it the same
+    number of times for the same ``caller``.
 
     Args:
         obj (Any): this rank's object (pickled; Python objects, tensors on any device).
@@ -71,6 +72,6 @@ def store_all_gather_object(obj: Any, *, caller: str, timeout_s: float, group: A
             " point: not under `if self.global_rank == 0:` (the usual cause), nor in a hook only some ranks run. If a"
             " rank is only slow, raise `timeout_s`."
         ) from cause
-    objects = [pickle.loads(store.get(key)) for key in keys]
+    objects = [pickle.loads(value) for value in store.multi_get(keys)]
     store.delete_key(f"{prefix}{count - 1}/{me}")
     return objects
