@@ -107,7 +107,8 @@ class KeptRows:
             self.indices = torch.arange(n, device=device)
             return
         ordered, order = torch.sort(torch.cat(list(blocks)).cpu(), stable=True)  # copies of an index stay in rank order
-        first = torch.cat([torch.ones(1, dtype=torch.bool), ordered[1:] != ordered[:-1]])
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
         ends = torch.tensor(counts).cumsum(0)  # a copy and the one before it on the same rank: a repeat
         rank_of = [torch.bucketize(order[i : order.numel() - 1 + i][~first[1:]], ends, right=True) for i in (0, 1)]
         repeats = sorted(set(rank_of[1][rank_of[0] == rank_of[1]].tolist()))

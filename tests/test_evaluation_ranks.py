@@ -155,6 +155,8 @@ _MISMATCHES: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
 
 def _edge_rank(rank: int, world_size: int) -> dict[str, Any]:
     holder, out = Holder(), {}
+    store = torch.distributed.distributed_c10d._get_default_store()
+    keys_before = store.num_keys()
 
     def gather(**kwargs: Any) -> Any:
         try:
@@ -190,6 +192,8 @@ def _edge_rank(rank: int, world_size: int) -> dict[str, Any]:
     out["indices on one rank only"] = gather()
     holder.add_eval_outputs([rank], a=torch.tensor([float(rank)]))  # the group still works after all of that
     out["after the errors"] = gather()
+    torch.distributed.barrier()
+    out["store keys left"] = store.num_keys() - keys_before  # each exchange deletes the one before: only the last's
     return out
 
 
@@ -209,6 +213,7 @@ def test_empty_calls_and_field_mismatches_on_two_gloo_ranks() -> None:
                 assert part in message, (name, part, message)
         assert "`indices` was given on rank 0 but not on rank 1" in out["indices on one rank only"]
         assert out["after the errors"]["a"].tolist() == [0.0, 1.0]
+        assert out["store keys left"] == 2, out["store keys left"]
     for name, *_ in _MISMATCHES:
         assert per_rank[0][name] == per_rank[1][name], name  # the same error on every rank
 
@@ -300,3 +305,11 @@ def test_balanced_dp_on_several_gpus_gathers_on_the_root_device() -> None:
     expected = model.layer(x.cuda(0)).detach()
     torch.testing.assert_close(out["y"], expected)  # float32 matmul per device: TF32 may differ, hence a tolerance
     assert out["ids"] == [str(i) for i in range(9)]
+
+
+@RunIf(min_cuda_gpus=1)
+def test_negative_indices_on_a_gpu_are_refused_at_the_gather_not_with_a_host_sync_in_the_step() -> None:
+    holder = Holder()
+    holder.add_eval_outputs(torch.tensor([0, -1], device="cuda"), a=torch.zeros(2, device="cuda"))  # no check: no sync
+    with pytest.raises(ValueError, match=r"rank 0: `indices` must be >= 0, got -1"):
+        holder.gather_eval_outputs()
