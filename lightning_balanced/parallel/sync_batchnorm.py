@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_balanced.batchnorm_conversion import convert_batchnorm, revert_batchnorm
 from lightning_balanced.batchnorm_moments import Moments, batch_moments, combine_moments
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
 ]
 
 _DEFAULT_TIMEOUT_S = 120.0
-# Hyperparameters that live on the module (and may change during training), copied back to the user's layer.
-_HYPERPARAMETERS = ("num_features", "eps", "momentum", "affine", "track_running_stats")
 
 
 class SyncBatchNormAborted(RuntimeError):
@@ -324,27 +323,16 @@ def convert_replica_batchnorm(module: Module) -> Module:
     Raises:
         ValueError: a lazy BatchNorm layer that has not been initialized yet (run one forward pass first).
     """
-    if isinstance(module, _BatchNorm) and not isinstance(module, ReplicaSyncBatchNorm):
-        if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
-            raise ValueError(
-                f"cannot convert the uninitialized lazy module {type(module).__name__}; run a forward pass first"
-            )
+
+    def build(user: _BatchNorm) -> ReplicaSyncBatchNorm:
         layer = ReplicaSyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, device="meta"
+            user.num_features, user.eps, user.momentum, user.affine, user.track_running_stats, device="meta"
         )
-        # Share parameters and buffers (the meta placeholders are dropped; nothing is allocated twice).
-        layer._parameters = dict(module._parameters)
-        layer._buffers = dict(module._buffers)
-        layer._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-        layer.training = module.training
         object.__setattr__(layer, "_sync_origin", layer)
-        object.__setattr__(layer, "_user_batchnorm", module)
-        output: Module = layer
-    else:
-        output = module
-    for name, child in list(module.named_children()):
-        output._modules[name] = convert_replica_batchnorm(child)
-    return output
+        object.__setattr__(layer, "_user_batchnorm", user)
+        return layer
+
+    return convert_batchnorm(module, build, ReplicaSyncBatchNorm)
 
 
 def revert_replica_batchnorm(module: Module) -> Module:
@@ -359,18 +347,9 @@ def revert_replica_batchnorm(module: Module) -> Module:
     Returns:
         Module: ``module`` with its layers restored in place, or the user's layer if ``module`` is a converted one.
     """
-    output = module
-    user = module._user_batchnorm if isinstance(module, ReplicaSyncBatchNorm) else None
-    if isinstance(module, ReplicaSyncBatchNorm) and user is not None:
-        user._parameters.update(module._parameters)
-        user._buffers.update(module._buffers)
-        for name in _HYPERPARAMETERS:
-            setattr(user, name, getattr(module, name))
-        user.training = module.training
-        output = user
-    for name, child in list(module.named_children()):
-        output._modules[name] = revert_replica_batchnorm(child)
-    return output
+    return revert_batchnorm(
+        module, lambda layer: layer._user_batchnorm if isinstance(layer, ReplicaSyncBatchNorm) else None
+    )
 
 
 def attach_step(replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
