@@ -18,16 +18,16 @@ __all__ = ["check_replicable", "replicate"]
 ModuleT = TypeVar("ModuleT", bound=Module)
 
 
-def _compiled_submodules(network: Module) -> list[str]:
-    found = []
-    for name, module in network.named_modules(remove_duplicate=False):
-        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-            found.append(f"`{name or type(module).__name__}` (torch.compile)")
-        elif getattr(module, "_compiled_call_impl", None) is not None:
-            found.append(f"`{name or type(module).__name__}` (Module.compile())")
-        elif getattr(module, "_compiler_ctx", None) is not None:
-            found.append(f"`{name or type(module).__name__}` (lightning from_compiled)")
-    return list(dict.fromkeys(found))
+def _compiled_kind(module: Module) -> str | None:
+    """How ``module`` itself is compiled, or ``None``; instance attributes are read from ``__dict__`` (no hooks)."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return "torch.compile"
+    state = module.__dict__
+    if state.get("_compiled_call_impl") is not None:
+        return "Module.compile()"
+    if state.get("_compiler_ctx") is not None:
+        return "lightning from_compiled"
+    return None
 
 
 def check_replicable(network: Module) -> None:
@@ -35,11 +35,18 @@ def check_replicable(network: Module) -> None:
 
     A module compiled with ``torch.compile(module)`` or ``module.compile()`` keeps its compiled code bound to the
     original module, so a replica would run the original's forward (its parameters, its device) instead of its own.
+    :func:`replicate` makes the same check on every call, during the pass over the modules that replication makes
+    anyway; call this one to refuse earlier (a strategy at setup).
 
     Raises:
         TypeError: ``network`` or one of its submodules is compiled; the message names them and what to do instead.
     """
-    compiled = _compiled_submodules(network)
+    found = []
+    for name, module in network.named_modules(remove_duplicate=False):
+        kind = _compiled_kind(module)
+        if kind is not None:
+            found.append(f"`{name or type(module).__name__}` ({kind})")
+    compiled = list(dict.fromkeys(found))
     if compiled:
         raise TypeError(
             f"Cannot replicate {type(network).__name__} for data parallel: {', '.join(compiled)} is compiled, and"
@@ -77,8 +84,9 @@ def _host_copies(tensor: Tensor, devices: Sequence[torch.device], *, detach: boo
     return [on_device(base.clone() if (is_buffer and i > 0) else base, device) for i, device in enumerate(devices)]
 
 
-def _replicate_on_host(network: ModuleT, devices: Sequence[torch.device], detach: bool) -> list[ModuleT]:
-    modules = list(network.modules())
+def _replicate_on_host(
+    network: ModuleT, modules: list[Module], devices: Sequence[torch.device], detach: bool
+) -> list[ModuleT]:
     index = {module: i for i, module in enumerate(modules)}
     params = {param: _host_copies(param, devices, detach=detach, is_buffer=False) for param in network.parameters()}
     buffers = {buffer: _host_copies(buffer, devices, detach=detach, is_buffer=True) for buffer in network.buffers()}
@@ -127,8 +135,13 @@ def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool
     """
     if not devices:
         return []
-    check_replicable(network)
+    # The compiled-module check rides on the list of modules that replication walks anyway; the named walk of
+    # check_replicable runs only to word the error. So a module compiled after a strategy's setup (in a hook, between
+    # steps) is refused at the next step, without a second walk of the tree every step.
+    modules = list(network.modules())
+    if any(_compiled_kind(module) is not None for module in modules):
+        check_replicable(network)
     if devices[0].type == "cuda":
         return cuda_replicate(network, list(devices), detach=detach)
     _check_on_first_device(network, devices[0])
-    return _replicate_on_host(network, devices, detach)
+    return _replicate_on_host(network, modules, devices, detach)

@@ -14,7 +14,9 @@ The strategy's protocol:
 1. at setup, ``model = convert_replica_batchnorm(model)``: every ``_BatchNorm`` becomes a :class:`ReplicaSyncBatchNorm`
    sharing its parameters and buffers (the state-dict keys stay those of plain BatchNorm);
 2. per step, after replication: ``step = SyncBatchNormStep(chunk_sizes)`` for the replicas that will run, then
-   ``attach_step(replicas, step)``; when a replica fails, ``step.abort(index, error)`` releases the others;
+   ``attach_step(replicas, step)``, or ``layers.attach(replicas, step)`` with ``layers = SyncBatchNormLayers(model)``
+   found once at setup (no walk of the replicas' trees per step); when a replica fails, ``step.abort(index, error)``
+   releases the others;
 3. at teardown, ``model = revert_replica_batchnorm(model)`` puts the user's own BatchNorm objects back, holding the
    current state.
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -41,6 +43,7 @@ from lightning_balanced.batchnorm_moments import Moments, batch_moments, combine
 __all__ = [
     "ReplicaSyncBatchNorm",
     "SyncBatchNormAborted",
+    "SyncBatchNormLayers",
     "SyncBatchNormStep",
     "attach_step",
     "convert_replica_batchnorm",
@@ -226,6 +229,17 @@ class ReplicaSyncBatchNorm(_BatchNorm):
     _sync_origin: ReplicaSyncBatchNorm | None = None
     # The user's BatchNorm object that this layer stands in for. Set by the converter.
     _user_batchnorm: _BatchNorm | None = None
+    # Layers of this class made other than by replication (constructed, copied, unpickled), ever: SyncBatchNormLayers
+    # looks for the model's layers again when it changed, so a layer made after they were found is attached too.
+    _layers_made: ClassVar[int] = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        ReplicaSyncBatchNorm._layers_made += 1
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        ReplicaSyncBatchNorm._layers_made += 1
 
     def _check_input_dim(self, input: Tensor) -> None:
         _check_input(self, input)
@@ -355,6 +369,8 @@ def revert_replica_batchnorm(module: Module) -> Module:
 def attach_step(replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
     """Attach ``step`` to the :class:`ReplicaSyncBatchNorm` layers of this step's replicas.
 
+    Searches each replica's whole module tree; :class:`SyncBatchNormLayers` does the same from layers found once.
+
     Args:
         replicas (Sequence[Module]): the replicas that run the step (from ``replicate``), in the order of
             ``step.chunk_sizes``; replica ``i`` contributes as index ``i``.
@@ -364,19 +380,90 @@ def attach_step(replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
         ValueError: ``len(replicas)`` differs from ``step.parties``, or a replica's layer is not a per-step copy (the
             user's model itself must never be attached: its layers would stay attached after the step).
     """
-    if len(replicas) != step.parties:
-        raise ValueError(f"got {len(replicas)} replicas for a step of {step.parties} chunk sizes {step.chunk_sizes}")
+    _check_parties(replicas, step)
     for index, replica in enumerate(replicas):
         for name, layer in replica.named_modules():
-            if not isinstance(layer, ReplicaSyncBatchNorm):
-                continue
-            origin = layer._sync_origin
-            if origin is None or origin is layer:
-                raise ValueError(
-                    f"layer '{name}' of replica {index} is not a replica: attach_step takes the per-step copies "
-                    "made by replicate(), not the model"
-                )
-            if index == 0:
-                step._names[id(origin)] = name or type(layer).__name__
-            object.__setattr__(layer, "_sync_step", step)
-            object.__setattr__(layer, "_replica_index", index)
+            if isinstance(layer, ReplicaSyncBatchNorm):
+                _attach_layer(layer, name, index, step)
+
+
+def _check_parties(replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
+    if len(replicas) != step.parties:
+        raise ValueError(f"got {len(replicas)} replicas for a step of {step.parties} chunk sizes {step.chunk_sizes}")
+
+
+def _attach_layer(layer: ReplicaSyncBatchNorm, name: str, index: int, step: SyncBatchNormStep) -> None:
+    origin = layer._sync_origin
+    if origin is None or origin is layer:
+        raise ValueError(
+            f"layer '{name}' of replica {index} is not a replica: attach_step takes the per-step copies "
+            "made by replicate(), not the model"
+        )
+    if index == 0:
+        step._names[id(origin)] = name or type(layer).__name__
+    object.__setattr__(layer, "_sync_step", step)
+    object.__setattr__(layer, "_replica_index", index)
+
+
+class SyncBatchNormLayers:
+    """The :class:`ReplicaSyncBatchNorm` layers of a converted model, found once; attaches each step to their copies.
+
+    :func:`attach_step` searches every replica's whole module tree, every step. A strategy that replicates the same
+    model every step makes this once, after :func:`convert_replica_batchnorm`, and per step :meth:`attach` follows only
+    the recorded paths in each replica. It gives what :func:`attach_step` gives even when the model's tree changed
+    between steps (say in a hook): when a path no longer leads to a copy of its layer (a synchronized layer was moved,
+    replaced or removed), it searches the replicas as :func:`attach_step` does, and when a :class:`ReplicaSyncBatchNorm`
+    was made since the layers were found (constructed, copied or unpickled: it may be in the model now), it finds the
+    model's layers again first.
+
+    Args:
+        model (Module): the converted model that is replicated every step (its replicas are given to :meth:`attach`).
+    """
+
+    def __init__(self, model: Module) -> None:
+        self.model = model
+        self._find()
+
+    def _find(self) -> None:
+        self._layers_made = ReplicaSyncBatchNorm._layers_made
+        self._layers = [
+            (name, tuple(name.split(".")) if name else (), layer)
+            for name, layer in self.model.named_modules()
+            if isinstance(layer, ReplicaSyncBatchNorm)
+        ]
+
+    def attach(self, replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
+        """Attach ``step`` to the copies of the model's synchronized layers in ``replicas``, as :func:`attach_step`.
+
+        Args:
+            replicas (Sequence[Module]): the replicas of ``model`` that run the step, in the order of
+                ``step.chunk_sizes``; replica ``i`` contributes as index ``i``.
+            step (SyncBatchNormStep): the step's rendezvous.
+
+        Raises:
+            ValueError: as :func:`attach_step`.
+        """
+        _check_parties(replicas, step)
+        if ReplicaSyncBatchNorm._layers_made != self._layers_made:
+            self._find()
+        copies = [self._copies(replica) for replica in replicas]
+        if any(found is None for found in copies):
+            attach_step(replicas, step)
+            self._find()
+            return
+        for index, found in enumerate(copies):
+            assert found is not None
+            for (name, _, _), layer in zip(self._layers, found, strict=True):
+                _attach_layer(layer, name, index, step)
+
+    def _copies(self, replica: Module) -> list[ReplicaSyncBatchNorm] | None:
+        """The replica's copy of each recorded layer, or ``None`` when a path leads elsewhere (the tree changed)."""
+        copies = []
+        for _, atoms, origin in self._layers:
+            module: Module | None = replica
+            for atom in atoms:
+                module = module._modules.get(atom) if module is not None else None
+            if not isinstance(module, ReplicaSyncBatchNorm) or module._sync_origin is not origin:
+                return None
+            copies.append(module)
+        return copies
