@@ -2,7 +2,8 @@
 
 They share one module-tree converter (``lightning_balanced.batchnorm_conversion``): a user's layer, whatever its
 subclass adds, is carried into the stand-in and back. The one difference they keep is what revert returns: the replica
-converter the user's very object, SyncBatchNorm a new object of the user's class (as torch/mmcv's reverts do).
+converter the user's very object, SyncBatchNorm a new object of the user's class (as torch/mmcv's reverts do). The DDP
+strategies' layer-sync plugin reverts with the same walk to the user's very objects.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lightning_balanced.parallel.sync_batchnorm import (
     convert_replica_batchnorm,
     revert_replica_batchnorm,
 )
+from lightning_balanced.strategies.ddp import DeviceSyncBatchNorm
 from lightning_balanced.sync_batchnorm import SyncBatchNorm
 
 _CONVERTERS: dict[str, tuple[Callable[[nn.Module], nn.Module], Callable[[nn.Module], nn.Module], type[nn.Module]]] = {
@@ -108,3 +110,27 @@ def test_converters_leave_each_others_stand_ins_alone_only_for_their_own_type(co
     # Its own stand-ins are left as they are.
     own = convert(nn.BatchNorm1d(3))
     assert convert(own) is own
+
+
+def test_the_ddp_layer_sync_gives_the_users_layers_back_wherever_the_synchronized_ones_are() -> None:
+    layer_sync = DeviceSyncBatchNorm(lambda: "cpu")
+    model = _model()
+    user_layers = [model[1], model[2][0]]
+    converted = layer_sync.apply(model)
+    assert [type(converted[1]), type(converted[2][0])] == [SyncBatchNorm] * 2
+    converted(torch.randn(6, 3))
+    converted[1].momentum = 0.5
+    converted[2][0].eval()
+    converted[2] = nn.Sequential(nn.Identity(), converted[2][0])  # moved while fitting (a name lookup would miss it)
+    trained = {k: v.clone() for k, v in converted.state_dict().items()}
+
+    reverted = layer_sync.revert(converted)
+    assert reverted[1] is user_layers[0] and reverted[2][1] is user_layers[1]
+    assert type(reverted[2][0]) is nn.Identity
+    for key, value in reverted.state_dict().items():
+        assert torch.equal(value, trained[key]), key
+    assert reverted[1].momentum == 0.5
+    assert reverted[1].training and not reverted[2][1].training
+    # A model that is a single layer comes back as that layer.
+    bn = nn.BatchNorm2d(2)
+    assert layer_sync.revert(layer_sync.apply(bn)) is bn
