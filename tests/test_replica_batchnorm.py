@@ -368,14 +368,21 @@ def test_attach_checks_its_arguments() -> None:
 
 
 def test_layers_found_once_reach_every_replica_through_changes_of_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Counted: searches of the replicas' trees (attach_step) and walks of the model's tree (finding the layers).
     searches: list[int] = []
-    search = sync_batchnorm_module.attach_step
+    finds: list[int] = []
+    search, find = sync_batchnorm_module.attach_step, SyncBatchNormLayers._find
 
     def counted_search(replicas: Any, step: SyncBatchNormStep) -> None:
         searches.append(len(replicas))
         search(replicas, step)
 
+    def counted_find(self: SyncBatchNormLayers) -> None:
+        finds.append(1)
+        find(self)
+
     monkeypatch.setattr(sync_batchnorm_module, "attach_step", counted_search)
+    monkeypatch.setattr(SyncBatchNormLayers, "_find", counted_find)
     case = Case("1d", (3, 1, 4))
     reference = _model(case)
     model = convert_replica_batchnorm(copy.deepcopy(reference))
@@ -389,20 +396,22 @@ def test_layers_found_once_reach_every_replica_through_changes_of_the_tree(monke
             _close(model.state_dict()[key].double(), value.double(), f"step {step} {key}")
 
     step_matches_full_batch(0)
-    assert searches == []  # the tree did not change: only the recorded paths were followed
+    step_matches_full_batch(1)
+    # The tree did not change: only the recorded paths were followed (replication makes no layer that counts).
+    assert (searches, len(finds)) == ([], 1)
     # A synchronized layer moved (wrapped in a container, as a hook between steps might): its path leads elsewhere.
     model[4] = nn.Sequential(model[4])
     reference[4] = nn.Sequential(reference[4])
-    step_matches_full_batch(1)
-    assert searches == [3]  # the replicas were searched once ...
     step_matches_full_batch(2)
-    assert searches == [3]  # ... and the new paths recorded
+    assert (searches, len(finds)) == ([3], 2)  # the replicas searched once, the new paths recorded ...
+    step_matches_full_batch(3)
+    assert (searches, len(finds)) == ([3], 2)  # ... and followed from then on
     # A synchronized layer added after the layers were found (a copy, as for a teacher or EMA block): every recorded
     # path still leads to its layer, yet the copy is found and synchronized too.
     model.append(copy.deepcopy(model[1]))
     reference.append(copy.deepcopy(reference[1]))
-    step_matches_full_batch(3)
-    assert searches == [3]
+    step_matches_full_batch(4)
+    assert (searches, len(finds)) == ([3], 3)
 
 
 def test_layers_found_once_check_their_arguments_as_attach_step() -> None:
