@@ -208,6 +208,10 @@ class ReplicaSyncBatchNorm(_BatchNorm):
     the first replica's device and the results are copied to each replica's device with ``Tensor.to``, inside
     autograd.
 
+    Args:
+        num_features, eps, momentum, affine, track_running_stats, device, dtype: as for :class:`torch.nn.BatchNorm2d`;
+            normally the converter copies them from the user's layer.
+
     Shape:
         - Input: :math:`(N, C, *)` with 0 to 3 trailing dimensions; ``N`` may differ between replicas, even be 0.
         - Output: same shape and dtype as the input.
@@ -233,8 +237,17 @@ class ReplicaSyncBatchNorm(_BatchNorm):
     # looks for the model's layers again when it changed, so a layer made after they were found is attached too.
     _layers_made: ClassVar[int] = 0
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         ReplicaSyncBatchNorm._layers_made += 1
 
     def __setstate__(self, state: dict[str, Any]) -> None:
