@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Iterable, Sequence
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -56,11 +56,11 @@ def check_replicable(network: Module) -> None:
         )
 
 
-def _check_on_first_device(network: Module, device: torch.device) -> None:
+def _check_on_first_device(tensors: Iterable[Tensor], device: torch.device) -> None:
     """The emulation of ``broadcast_coalesced``'s rule: every tensor of the source module is on ``devices[0]``."""
     if device.type != "cpu" or device.index is None:
         return
-    for tensor in itertools.chain(network.parameters(), network.buffers()):
+    for tensor in tensors:
         index = tensor._virtual_index if isinstance(tensor, VirtualDeviceTensor) else 0
         if index != device.index:
             raise RuntimeError(
@@ -85,11 +85,15 @@ def _host_copies(tensor: Tensor, devices: Sequence[torch.device], *, detach: boo
 
 
 def _replicate_on_host(
-    network: ModuleT, modules: list[Module], devices: Sequence[torch.device], detach: bool
-) -> list[ModuleT]:
+    modules: list[Module],
+    parameters: Sequence[Tensor],
+    buffers: Sequence[Tensor],
+    devices: Sequence[torch.device],
+    detach: bool,
+) -> list[Module]:
     index = {module: i for i, module in enumerate(modules)}
-    params = {param: _host_copies(param, devices, detach=detach, is_buffer=False) for param in network.parameters()}
-    buffers = {buffer: _host_copies(buffer, devices, detach=detach, is_buffer=True) for buffer in network.buffers()}
+    params = {param: _host_copies(param, devices, detach=detach, is_buffer=False) for param in parameters}
+    buffer_copies = {buffer: _host_copies(buffer, devices, detach=detach, is_buffer=True) for buffer in buffers}
 
     copies = [[module._replicate_for_data_parallel() for module in modules] for _ in devices]
     for j, replica_modules in enumerate(copies):
@@ -106,7 +110,7 @@ def _replicate_on_host(
                     setattr(replica, key, params[param][j])
                     replica._former_parameters[key] = params[param][j]
             for key, buffer in module._buffers.items():
-                replica._buffers[key] = None if buffer is None else buffers[buffer][j]
+                replica._buffers[key] = None if buffer is None else buffer_copies[buffer][j]
     return [replica_modules[0] for replica_modules in copies]
 
 
@@ -135,13 +139,16 @@ def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool
     """
     if not devices:
         return []
-    # The compiled-module check rides on the list of modules that replication walks anyway; the named walk of
-    # check_replicable runs only to word the error. So a module compiled after a strategy's setup (in a hook, between
-    # steps) is refused at the next step, without a second walk of the tree every step.
+    # One walk of the tree: the compiled-module check rides on the list of modules that replication needs anyway (the
+    # named walk of check_replicable runs only to word the error), so a module compiled after a strategy's setup (in a
+    # hook, between steps) is refused at the next step; on the host, the tensors are gathered from the same list.
     modules = list(network.modules())
     if any(_compiled_kind(module) is not None for module in modules):
         check_replicable(network)
     if devices[0].type == "cuda":
         return cuda_replicate(network, list(devices), detach=detach)
-    _check_on_first_device(network, devices[0])
-    return _replicate_on_host(network, modules, devices, detach)
+    # Each tensor once (dict keys: tensors hash by identity), as network.parameters() and network.buffers() give them.
+    parameters = list(dict.fromkeys(p for module in modules for p in module._parameters.values() if p is not None))
+    buffers = list(dict.fromkeys(b for module in modules for b in module._buffers.values() if b is not None))
+    _check_on_first_device(itertools.chain(parameters, buffers), devices[0])
+    return cast(list[ModuleT], _replicate_on_host(modules, parameters, buffers, devices, detach))
