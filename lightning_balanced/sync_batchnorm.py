@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_balanced.batchnorm_conversion import convert_batchnorm, revert_batchnorm
 from lightning_balanced.batchnorm_moments import batch_moments, combine_moments
 
 __all__ = ["SyncBatchNorm"]
@@ -24,8 +25,6 @@ __all__ = ["SyncBatchNorm"]
 # Attributes a converted module keeps to rebuild the original module in ``revert_sync_batchnorm``.
 _ORIGINAL_CLS_ATTR = "_original_batchnorm_cls"
 _ORIGINAL_STATE_ATTR = "_original_batchnorm_state"
-# Hyperparameters that live on the module (and may have been changed on the converted one), copied back on revert.
-_HYPERPARAMETERS = ("num_features", "eps", "momentum", "affine", "track_running_stats")
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -324,10 +323,11 @@ class SyncBatchNorm(_BatchNorm):
         """Replace every BatchNorm layer of ``module`` (recursively) with a :class:`SyncBatchNorm`.
 
         Each ``_BatchNorm`` that is not already a :class:`SyncBatchNorm` of this package (BatchNorm1d/2d/3d, user
-        subclasses, and torch's own ``nn.SyncBatchNorm``) becomes one that shares its weight and bias parameters (so
-        ``requires_grad`` and optimizer references carry over) and its running-statistics buffers, and copies its
-        hyperparameters, training flag and ``qconfig``. The new module remembers the original class (attribute
-        ``_original_batchnorm_cls``) and the original's other attributes for :meth:`revert_sync_batchnorm`.
+        subclasses, and torch's own ``nn.SyncBatchNorm``) becomes one that shares its parameters (so
+        ``requires_grad`` and optimizer references carry over) and buffers (a subclass's extra ones too, so the
+        state-dict keys stay the layer's), and copies its hyperparameters, training flag and ``qconfig``. The new
+        module remembers the original class (attribute ``_original_batchnorm_cls``) and the original's other
+        attributes for :meth:`revert_sync_batchnorm`.
 
         Args:
             module (nn.Module): a model, or a single BatchNorm layer.
@@ -342,47 +342,35 @@ class SyncBatchNorm(_BatchNorm):
 
         Source: :meth:`torch.nn.SyncBatchNorm.convert_sync_batchnorm`.
         """
-        module_output = module
-        if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-            if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
-                raise ValueError(
-                    f"cannot convert the uninitialized lazy module {type(module).__name__}; run a forward pass first"
-                )
+
+        def build(layer: _BatchNorm) -> SyncBatchNorm:
             sync = cls(
-                module.num_features,
-                module.eps,
-                module.momentum,
-                module.affine,
-                module.track_running_stats,
+                layer.num_features,
+                layer.eps,
+                layer.momentum,
+                layer.affine,
+                layer.track_running_stats,
                 process_group,
                 device="meta",
-                bias=module.bias is not None,
+                bias=layer.bias is not None,
             )
-            # Share parameters and buffers (meta placeholders are replaced; nothing is allocated twice).
-            sync.weight = module.weight
-            sync.bias = module.bias
-            sync.running_mean = module.running_mean
-            sync.running_var = module.running_var
-            sync.num_batches_tracked = module.num_batches_tracked
-            sync.training = module.training
-            if hasattr(module, "qconfig"):
-                sync.qconfig = module.qconfig
-            original_state = {k: v for k, v in vars(module).items() if k not in ("_parameters", "_buffers", "_modules")}
-            object.__setattr__(sync, _ORIGINAL_CLS_ATTR, type(module))
+            if hasattr(layer, "qconfig"):
+                sync.qconfig = layer.qconfig
+            original_state = {k: v for k, v in vars(layer).items() if k not in ("_parameters", "_buffers", "_modules")}
+            object.__setattr__(sync, _ORIGINAL_CLS_ATTR, type(layer))
             object.__setattr__(sync, _ORIGINAL_STATE_ATTR, original_state)
-            module_output = sync
-        for name, child in module.named_children():
-            module_output.add_module(name, cls.convert_sync_batchnorm(child, process_group))
-        return module_output
+            return sync
+
+        return convert_batchnorm(module, build, SyncBatchNorm)
 
     @classmethod
     def revert_sync_batchnorm(cls, module: torch.nn.Module) -> torch.nn.Module:
         """Undo :meth:`convert_sync_batchnorm`: restore the original BatchNorm classes with their current state.
 
-        Every :class:`SyncBatchNorm` made by :meth:`convert_sync_batchnorm` becomes an instance of the class it replaced
-        (BatchNorm1d/2d/3d or a user subclass, with the original's other attributes and hooks), holding the current
-        parameters, buffers, hyperparameters and training flag of the SyncBatchNorm. A SyncBatchNorm built directly
-        (no original class recorded) is left as it is.
+        Every :class:`SyncBatchNorm` made by :meth:`convert_sync_batchnorm` becomes a new instance of the class it
+        replaced (BatchNorm1d/2d/3d or a user subclass, with the original's other attributes and hooks), holding the
+        current parameters, buffers, hyperparameters and training flag of the SyncBatchNorm. A SyncBatchNorm built
+        directly (no original class recorded) is left as it is.
 
         Args:
             module (nn.Module): a model, or a single converted layer.
@@ -394,19 +382,15 @@ class SyncBatchNorm(_BatchNorm):
         Source: the inverse of :meth:`torch.nn.SyncBatchNorm.convert_sync_batchnorm` (torch has none; mmcv's
         ``revert_sync_batchnorm`` is the closest).
         """
-        module_output = module
-        original_cls = getattr(module, _ORIGINAL_CLS_ATTR, None)
-        if isinstance(module, SyncBatchNorm) and original_cls is not None:
-            # Rebuild without calling the original constructor, whose signature a user subclass may have changed.
-            restored = original_cls.__new__(original_cls)
-            restored.__dict__.update(getattr(module, _ORIGINAL_STATE_ATTR))
-            restored.__dict__["_parameters"] = dict(module._parameters)
-            restored.__dict__["_buffers"] = dict(module._buffers)
-            restored.__dict__["_modules"] = {}
-            for name in _HYPERPARAMETERS:
-                setattr(restored, name, getattr(module, name))
-            restored.training = module.training
-            module_output = restored
-        for name, child in module.named_children():
-            module_output.add_module(name, cls.revert_sync_batchnorm(child))
-        return module_output
+
+        def original(stand_in: torch.nn.Module) -> _BatchNorm | None:
+            original_cls = getattr(stand_in, _ORIGINAL_CLS_ATTR, None) if isinstance(stand_in, SyncBatchNorm) else None
+            if original_cls is None:
+                return None
+            # Rebuilt without calling the original constructor, whose signature a user subclass may have changed.
+            restored: _BatchNorm = original_cls.__new__(original_cls)
+            restored.__dict__.update(getattr(stand_in, _ORIGINAL_STATE_ATTR))
+            restored.__dict__.update(_parameters={}, _buffers={}, _modules={})
+            return restored
+
+        return revert_batchnorm(module, original)

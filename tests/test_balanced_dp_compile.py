@@ -78,6 +78,52 @@ def test_a_compiled_submodule_is_refused_before_anything_is_touched(how: str, lo
     quiet_trainer(BalancedDataParallelStrategy(), 2, max_steps=1).fit(model, loader)
 
 
+class _CompiledDuringFit(Regressor):
+    """Compiles its ``head`` in a hook after the strategy's setup, before the second training step."""
+
+    def __init__(self, how: str, hook: str) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 1).double()
+        self.how, self.hook = how, hook
+        self.steps_run: list[int] = []  # a list: replicas copy the module's __dict__, so they append to this one
+        self.at_compile: tuple[list[Any], dict[str, torch.Tensor]] | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.steps_run.append(batch_idx)  # by every replica: twice per step on 2 devices
+        x, y = batch
+        return F.mse_loss(self.head(self(x)), y[:, :1])
+
+    def _compile(self) -> None:
+        if self.how == "torch.compile":
+            self.head = torch.compile(self.head, backend="eager")  # type: ignore[assignment]
+        else:
+            self.head.compile(backend="eager")
+        self.at_compile = (_snapshot(self), _values(self))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.hook == "on_train_batch_start" and batch_idx == 1:
+            self._compile()
+
+    def on_validation_start(self) -> None:
+        if self.hook == "on_validation_start":
+            self._compile()
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_start", "on_validation_start"])
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile()"])
+def test_a_submodule_compiled_during_fit_is_refused_at_the_next_step_with_the_same_error(how: str, hook: str) -> None:
+    # A hook runs after the strategy's setup check, so the replication of every step checks again (without a second
+    # walk of the tree): the user gets the setup's TypeError at the next step, never replicas running the original.
+    model = _CompiledDuringFit(how, hook)
+    loader = DataLoader(_data(16), batch_size=8)
+    trainer = quiet_trainer(BalancedDataParallelStrategy(), 2, max_epochs=1, num_sanity_val_steps=0)
+    with pytest.raises(TypeError, match=re.escape(f"`head` ({how})") + ".*Remove"):
+        trainer.fit(model, loader, loader)
+    assert model.steps_run == ([0, 0] if hook == "on_train_batch_start" else [0, 0, 1, 1])  # the steps before it ran
+    assert model.at_compile is not None
+    _assert_untouched(model, *model.at_compile)  # the refused step touched nothing
+
+
 def test_a_compiled_lightning_module_is_refused_by_lightning_before_the_strategy_runs() -> None:
     model = Regressor()
     with pytest.raises(RuntimeError, match="compiled model is incompatible"):

@@ -143,6 +143,26 @@ def test_a_batch_of_one_sample_in_total_raises_the_batchnorm_error_as_on_one_dev
         quiet_trainer(strategy, 2, max_steps=1).fit(model, DataLoader(_data(1, 1), batch_size=1))
 
 
+class _MovedBetweenSteps(BatchNormNet):
+    """Wraps ``flat_bn`` in a container before the second step: the synchronized layer's path changes mid-fit."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1:
+            self.flat_bn = nn.Sequential(self.flat_bn)  # type: ignore[assignment]
+
+
+def test_a_synchronized_layer_moved_between_steps_stays_synchronized() -> None:
+    # The strategy finds the synchronized layers once, at setup; a layer moved by a hook is still reached in every
+    # replica (a per-chunk statistic in the second step would be off by ~1e-2).
+    model = _MovedBetweenSteps(1, 0.1, True)
+    expected = _fit_two_steps(copy.deepcopy(model), "auto", 1, batch_size=7)
+    strategy = BalancedDataParallelStrategy(chunk_sizes=[1, 2, 4], sync_batchnorm=True)
+    got = _fit_two_steps(model, strategy, 3, batch_size=7)
+    _assert_equal_runs(got, expected)
+    assert type(got.flat_bn[0]) is nn.BatchNorm1d  # the user's layer back at teardown, in its new container
+    assert int(got.flat_bn[0].num_batches_tracked) == 2
+
+
 @RunIf(min_cuda_gpus=2)
 def test_synchronized_batchnorm_matches_the_single_device_run_on_cuda() -> None:
     model = BatchNormNet(2, 0.1, True)

@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from lightning_balanced.parallel import parallel_apply, replicate
+from lightning_balanced.parallel import sync_batchnorm as sync_batchnorm_module
 from lightning_balanced.parallel.sync_batchnorm import (
     ReplicaSyncBatchNorm,
     SyncBatchNormAborted,
+    SyncBatchNormLayers,
     SyncBatchNormStep,
     attach_step,
     convert_replica_batchnorm,
@@ -116,13 +118,20 @@ def _reference_steps(model: nn.Module, case: Case) -> list[dict[str, Any]]:
 
 
 def _replica_forward(
-    model: nn.Module, x: torch.Tensor, chunk_sizes: tuple[int, ...], devices: list[torch.device] | None = None
+    model: nn.Module,
+    x: torch.Tensor,
+    chunk_sizes: tuple[int, ...],
+    devices: list[torch.device] | None = None,
+    layers: SyncBatchNormLayers | None = None,
 ) -> torch.Tensor:
     """One data-parallel forward: replicate, attach a step, run the replicas in threads, concatenate on x's device."""
     devices = devices or [_CPU] * len(chunk_sizes)
     replicas = replicate(model, devices, detach=not torch.is_grad_enabled())
     step = SyncBatchNormStep(chunk_sizes, timeout=30)
-    attach_step(replicas, step)
+    if layers is None:
+        attach_step(replicas, step)
+    else:
+        layers.attach(replicas, step)
     chunks = [(c.to(d),) for c, d in zip(x.split(list(chunk_sizes)), devices, strict=True)]
     outputs = parallel_apply(replicas, chunks, [{}] * len(replicas), devices)
     return torch.cat([out.to(x.device) for out in outputs])
@@ -356,3 +365,59 @@ def test_attach_checks_its_arguments() -> None:
         SyncBatchNormStep([2, -1])
     with pytest.raises(ValueError, match="`timeout`"):
         SyncBatchNormStep([2], timeout=0)
+
+
+def test_layers_found_once_reach_every_replica_through_changes_of_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Counted: searches of the replicas' trees (attach_step) and walks of the model's tree (finding the layers).
+    searches: list[int] = []
+    finds: list[int] = []
+    search, find = sync_batchnorm_module.attach_step, SyncBatchNormLayers._find
+
+    def counted_search(replicas: Any, step: SyncBatchNormStep) -> None:
+        searches.append(len(replicas))
+        search(replicas, step)
+
+    def counted_find(self: SyncBatchNormLayers) -> None:
+        finds.append(1)
+        find(self)
+
+    monkeypatch.setattr(sync_batchnorm_module, "attach_step", counted_search)
+    monkeypatch.setattr(SyncBatchNormLayers, "_find", counted_find)
+    case = Case("1d", (3, 1, 4))
+    reference = _model(case)
+    model = convert_replica_batchnorm(copy.deepcopy(reference))
+    layers = SyncBatchNormLayers(model)
+
+    def step_matches_full_batch(step: int) -> None:
+        x, _ = _data(case, step)
+        _close(_replica_forward(model, x, case.chunk_sizes, layers=layers), reference(x), f"step {step} output")
+        assert model.state_dict().keys() == reference.state_dict().keys()
+        for key, value in reference.state_dict().items():
+            _close(model.state_dict()[key].double(), value.double(), f"step {step} {key}")
+
+    step_matches_full_batch(0)
+    step_matches_full_batch(1)
+    # The tree did not change: only the recorded paths were followed (replication makes no layer that counts).
+    assert (searches, len(finds)) == ([], 1)
+    # A synchronized layer moved (wrapped in a container, as a hook between steps might): its path leads elsewhere.
+    model[4] = nn.Sequential(model[4])
+    reference[4] = nn.Sequential(reference[4])
+    step_matches_full_batch(2)
+    assert (searches, len(finds)) == ([3], 2)  # the replicas searched once, the new paths recorded ...
+    step_matches_full_batch(3)
+    assert (searches, len(finds)) == ([3], 2)  # ... and followed from then on
+    # A synchronized layer added after the layers were found (a copy, as for a teacher or EMA block): every recorded
+    # path still leads to its layer, yet the copy is found and synchronized too.
+    model.append(copy.deepcopy(model[1]))
+    reference.append(copy.deepcopy(reference[1]))
+    step_matches_full_batch(4)
+    assert (searches, len(finds)) == ([3], 3)
+
+
+def test_layers_found_once_check_their_arguments_as_attach_step() -> None:
+    model = convert_replica_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
+    layers = SyncBatchNormLayers(model)
+    with pytest.raises(ValueError, match="not a replica"):
+        layers.attach([model], SyncBatchNormStep([3]))
+    with pytest.raises(ValueError, match="got 1 replicas for a step of 2"):
+        layers.attach(replicate(model, [_CPU]), SyncBatchNormStep([3, 4]))

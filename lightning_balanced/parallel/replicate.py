@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Iterable, Sequence
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -18,16 +18,16 @@ __all__ = ["check_replicable", "replicate"]
 ModuleT = TypeVar("ModuleT", bound=Module)
 
 
-def _compiled_submodules(network: Module) -> list[str]:
-    found = []
-    for name, module in network.named_modules(remove_duplicate=False):
-        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
-            found.append(f"`{name or type(module).__name__}` (torch.compile)")
-        elif getattr(module, "_compiled_call_impl", None) is not None:
-            found.append(f"`{name or type(module).__name__}` (Module.compile())")
-        elif getattr(module, "_compiler_ctx", None) is not None:
-            found.append(f"`{name or type(module).__name__}` (lightning from_compiled)")
-    return list(dict.fromkeys(found))
+def _compiled_kind(module: Module) -> str | None:
+    """How ``module`` itself is compiled, or ``None``; instance attributes are read from ``__dict__`` (no hooks)."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return "torch.compile"
+    state = module.__dict__
+    if state.get("_compiled_call_impl") is not None:
+        return "Module.compile()"
+    if state.get("_compiler_ctx") is not None:
+        return "lightning from_compiled"
+    return None
 
 
 def check_replicable(network: Module) -> None:
@@ -35,11 +35,18 @@ def check_replicable(network: Module) -> None:
 
     A module compiled with ``torch.compile(module)`` or ``module.compile()`` keeps its compiled code bound to the
     original module, so a replica would run the original's forward (its parameters, its device) instead of its own.
+    :func:`replicate` makes the same check on every call, during the pass over the modules that replication makes
+    anyway; call this one to refuse earlier (a strategy at setup).
 
     Raises:
         TypeError: ``network`` or one of its submodules is compiled; the message names them and what to do instead.
     """
-    compiled = _compiled_submodules(network)
+    found = []
+    for name, module in network.named_modules(remove_duplicate=False):
+        kind = _compiled_kind(module)
+        if kind is not None:
+            found.append(f"`{name or type(module).__name__}` ({kind})")
+    compiled = list(dict.fromkeys(found))
     if compiled:
         raise TypeError(
             f"Cannot replicate {type(network).__name__} for data parallel: {', '.join(compiled)} is compiled, and"
@@ -49,11 +56,11 @@ def check_replicable(network: Module) -> None:
         )
 
 
-def _check_on_first_device(network: Module, device: torch.device) -> None:
+def _check_on_first_device(tensors: Iterable[Tensor], device: torch.device) -> None:
     """The emulation of ``broadcast_coalesced``'s rule: every tensor of the source module is on ``devices[0]``."""
     if device.type != "cpu" or device.index is None:
         return
-    for tensor in itertools.chain(network.parameters(), network.buffers()):
+    for tensor in tensors:
         index = tensor._virtual_index if isinstance(tensor, VirtualDeviceTensor) else 0
         if index != device.index:
             raise RuntimeError(
@@ -77,11 +84,16 @@ def _host_copies(tensor: Tensor, devices: Sequence[torch.device], *, detach: boo
     return [on_device(base.clone() if (is_buffer and i > 0) else base, device) for i, device in enumerate(devices)]
 
 
-def _replicate_on_host(network: ModuleT, devices: Sequence[torch.device], detach: bool) -> list[ModuleT]:
-    modules = list(network.modules())
+def _replicate_on_host(
+    modules: list[Module],
+    parameters: Sequence[Tensor],
+    buffers: Sequence[Tensor],
+    devices: Sequence[torch.device],
+    detach: bool,
+) -> list[Module]:
     index = {module: i for i, module in enumerate(modules)}
-    params = {param: _host_copies(param, devices, detach=detach, is_buffer=False) for param in network.parameters()}
-    buffers = {buffer: _host_copies(buffer, devices, detach=detach, is_buffer=True) for buffer in network.buffers()}
+    params = {param: _host_copies(param, devices, detach=detach, is_buffer=False) for param in parameters}
+    buffer_copies = {buffer: _host_copies(buffer, devices, detach=detach, is_buffer=True) for buffer in buffers}
 
     copies = [[module._replicate_for_data_parallel() for module in modules] for _ in devices]
     for j, replica_modules in enumerate(copies):
@@ -98,7 +110,7 @@ def _replicate_on_host(network: ModuleT, devices: Sequence[torch.device], detach
                     setattr(replica, key, params[param][j])
                     replica._former_parameters[key] = params[param][j]
             for key, buffer in module._buffers.items():
-                replica._buffers[key] = None if buffer is None else buffers[buffer][j]
+                replica._buffers[key] = None if buffer is None else buffer_copies[buffer][j]
     return [replica_modules[0] for replica_modules in copies]
 
 
@@ -127,8 +139,16 @@ def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool
     """
     if not devices:
         return []
-    check_replicable(network)
+    # One walk of the tree: the compiled-module check rides on the list of modules that replication needs anyway (the
+    # named walk of check_replicable runs only to word the error), so a module compiled after a strategy's setup (in a
+    # hook, between steps) is refused at the next step; on the host, the tensors are gathered from the same list.
+    modules = list(network.modules())
+    if any(_compiled_kind(module) is not None for module in modules):
+        check_replicable(network)
     if devices[0].type == "cuda":
         return cuda_replicate(network, list(devices), detach=detach)
-    _check_on_first_device(network, devices[0])
-    return _replicate_on_host(network, devices, detach)
+    # Each tensor once (dict keys: tensors hash by identity), as network.parameters() and network.buffers() give them.
+    parameters = list(dict.fromkeys(p for module in modules for p in module._parameters.values() if p is not None))
+    buffers = list(dict.fromkeys(b for module in modules for b in module._buffers.values() if b is not None))
+    _check_on_first_device(itertools.chain(parameters, buffers), devices[0])
+    return cast(list[ModuleT], _replicate_on_host(modules, parameters, buffers, devices, detach))

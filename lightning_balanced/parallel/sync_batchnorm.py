@@ -14,7 +14,9 @@ The strategy's protocol:
 1. at setup, ``model = convert_replica_batchnorm(model)``: every ``_BatchNorm`` becomes a :class:`ReplicaSyncBatchNorm`
    sharing its parameters and buffers (the state-dict keys stay those of plain BatchNorm);
 2. per step, after replication: ``step = SyncBatchNormStep(chunk_sizes)`` for the replicas that will run, then
-   ``attach_step(replicas, step)``; when a replica fails, ``step.abort(index, error)`` releases the others;
+   ``attach_step(replicas, step)``, or ``layers.attach(replicas, step)`` with ``layers = SyncBatchNormLayers(model)``
+   found once at setup (no walk of the replicas' trees per step); when a replica fails, ``step.abort(index, error)``
+   releases the others;
 3. at teardown, ``model = revert_replica_batchnorm(model)`` puts the user's own BatchNorm objects back, holding the
    current state.
 
@@ -28,18 +30,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_balanced.batchnorm_conversion import convert_batchnorm, revert_batchnorm
 from lightning_balanced.batchnorm_moments import Moments, batch_moments, combine_moments
 
 __all__ = [
     "ReplicaSyncBatchNorm",
     "SyncBatchNormAborted",
+    "SyncBatchNormLayers",
     "SyncBatchNormStep",
     "attach_step",
     "convert_replica_batchnorm",
@@ -47,8 +51,6 @@ __all__ = [
 ]
 
 _DEFAULT_TIMEOUT_S = 120.0
-# Hyperparameters that live on the module (and may change during training), copied back to the user's layer.
-_HYPERPARAMETERS = ("num_features", "eps", "momentum", "affine", "track_running_stats")
 
 
 class SyncBatchNormAborted(RuntimeError):
@@ -206,6 +208,10 @@ class ReplicaSyncBatchNorm(_BatchNorm):
     the first replica's device and the results are copied to each replica's device with ``Tensor.to``, inside
     autograd.
 
+    Args:
+        num_features, eps, momentum, affine, track_running_stats, device, dtype: as for :class:`torch.nn.BatchNorm2d`;
+            normally the converter copies them from the user's layer.
+
     Shape:
         - Input: :math:`(N, C, *)` with 0 to 3 trailing dimensions; ``N`` may differ between replicas, even be 0.
         - Output: same shape and dtype as the input.
@@ -227,6 +233,26 @@ class ReplicaSyncBatchNorm(_BatchNorm):
     _sync_origin: ReplicaSyncBatchNorm | None = None
     # The user's BatchNorm object that this layer stands in for. Set by the converter.
     _user_batchnorm: _BatchNorm | None = None
+    # Layers of this class made other than by replication (constructed, copied, unpickled), ever: SyncBatchNormLayers
+    # looks for the model's layers again when it changed, so a layer made after they were found is attached too.
+    _layers_made: ClassVar[int] = 0
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        ReplicaSyncBatchNorm._layers_made += 1
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        ReplicaSyncBatchNorm._layers_made += 1
 
     def _check_input_dim(self, input: Tensor) -> None:
         _check_input(self, input)
@@ -324,27 +350,16 @@ def convert_replica_batchnorm(module: Module) -> Module:
     Raises:
         ValueError: a lazy BatchNorm layer that has not been initialized yet (run one forward pass first).
     """
-    if isinstance(module, _BatchNorm) and not isinstance(module, ReplicaSyncBatchNorm):
-        if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
-            raise ValueError(
-                f"cannot convert the uninitialized lazy module {type(module).__name__}; run a forward pass first"
-            )
+
+    def build(user: _BatchNorm) -> ReplicaSyncBatchNorm:
         layer = ReplicaSyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, device="meta"
+            user.num_features, user.eps, user.momentum, user.affine, user.track_running_stats, device="meta"
         )
-        # Share parameters and buffers (the meta placeholders are dropped; nothing is allocated twice).
-        layer._parameters = dict(module._parameters)
-        layer._buffers = dict(module._buffers)
-        layer._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-        layer.training = module.training
         object.__setattr__(layer, "_sync_origin", layer)
-        object.__setattr__(layer, "_user_batchnorm", module)
-        output: Module = layer
-    else:
-        output = module
-    for name, child in list(module.named_children()):
-        output._modules[name] = convert_replica_batchnorm(child)
-    return output
+        object.__setattr__(layer, "_user_batchnorm", user)
+        return layer
+
+    return convert_batchnorm(module, build, ReplicaSyncBatchNorm)
 
 
 def revert_replica_batchnorm(module: Module) -> Module:
@@ -359,22 +374,15 @@ def revert_replica_batchnorm(module: Module) -> Module:
     Returns:
         Module: ``module`` with its layers restored in place, or the user's layer if ``module`` is a converted one.
     """
-    output = module
-    user = module._user_batchnorm if isinstance(module, ReplicaSyncBatchNorm) else None
-    if isinstance(module, ReplicaSyncBatchNorm) and user is not None:
-        user._parameters.update(module._parameters)
-        user._buffers.update(module._buffers)
-        for name in _HYPERPARAMETERS:
-            setattr(user, name, getattr(module, name))
-        user.training = module.training
-        output = user
-    for name, child in list(module.named_children()):
-        output._modules[name] = revert_replica_batchnorm(child)
-    return output
+    return revert_batchnorm(
+        module, lambda layer: layer._user_batchnorm if isinstance(layer, ReplicaSyncBatchNorm) else None
+    )
 
 
 def attach_step(replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
     """Attach ``step`` to the :class:`ReplicaSyncBatchNorm` layers of this step's replicas.
+
+    Searches each replica's whole module tree; :class:`SyncBatchNormLayers` does the same from layers found once.
 
     Args:
         replicas (Sequence[Module]): the replicas that run the step (from ``replicate``), in the order of
@@ -385,19 +393,90 @@ def attach_step(replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
         ValueError: ``len(replicas)`` differs from ``step.parties``, or a replica's layer is not a per-step copy (the
             user's model itself must never be attached: its layers would stay attached after the step).
     """
-    if len(replicas) != step.parties:
-        raise ValueError(f"got {len(replicas)} replicas for a step of {step.parties} chunk sizes {step.chunk_sizes}")
+    _check_parties(replicas, step)
     for index, replica in enumerate(replicas):
         for name, layer in replica.named_modules():
-            if not isinstance(layer, ReplicaSyncBatchNorm):
-                continue
-            origin = layer._sync_origin
-            if origin is None or origin is layer:
-                raise ValueError(
-                    f"layer '{name}' of replica {index} is not a replica: attach_step takes the per-step copies "
-                    "made by replicate(), not the model"
-                )
-            if index == 0:
-                step._names[id(origin)] = name or type(layer).__name__
-            object.__setattr__(layer, "_sync_step", step)
-            object.__setattr__(layer, "_replica_index", index)
+            if isinstance(layer, ReplicaSyncBatchNorm):
+                _attach_layer(layer, name, index, step)
+
+
+def _check_parties(replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
+    if len(replicas) != step.parties:
+        raise ValueError(f"got {len(replicas)} replicas for a step of {step.parties} chunk sizes {step.chunk_sizes}")
+
+
+def _attach_layer(layer: ReplicaSyncBatchNorm, name: str, index: int, step: SyncBatchNormStep) -> None:
+    origin = layer._sync_origin
+    if origin is None or origin is layer:
+        raise ValueError(
+            f"layer '{name}' of replica {index} is not a replica: attach_step takes the per-step copies "
+            "made by replicate(), not the model"
+        )
+    if index == 0:
+        step._names[id(origin)] = name or type(layer).__name__
+    object.__setattr__(layer, "_sync_step", step)
+    object.__setattr__(layer, "_replica_index", index)
+
+
+class SyncBatchNormLayers:
+    """The :class:`ReplicaSyncBatchNorm` layers of a converted model, found once; attaches each step to their copies.
+
+    :func:`attach_step` searches every replica's whole module tree, every step. A strategy that replicates the same
+    model every step makes this once, after :func:`convert_replica_batchnorm`, and per step :meth:`attach` follows only
+    the recorded paths in each replica. It gives what :func:`attach_step` gives even when the model's tree changed
+    between steps (say in a hook): when a path no longer leads to a copy of its layer (a synchronized layer was moved,
+    replaced or removed), it searches the replicas as :func:`attach_step` does, and when a :class:`ReplicaSyncBatchNorm`
+    was made since the layers were found (constructed, copied or unpickled: it may be in the model now), it finds the
+    model's layers again first.
+
+    Args:
+        model (Module): the converted model that is replicated every step (its replicas are given to :meth:`attach`).
+    """
+
+    def __init__(self, model: Module) -> None:
+        self.model = model
+        self._find()
+
+    def _find(self) -> None:
+        self._layers_made = ReplicaSyncBatchNorm._layers_made
+        self._layers = [
+            (name, tuple(name.split(".")) if name else (), layer)
+            for name, layer in self.model.named_modules()
+            if isinstance(layer, ReplicaSyncBatchNorm)
+        ]
+
+    def attach(self, replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
+        """Attach ``step`` to the copies of the model's synchronized layers in ``replicas``, as :func:`attach_step`.
+
+        Args:
+            replicas (Sequence[Module]): the replicas of ``model`` that run the step, in the order of
+                ``step.chunk_sizes``; replica ``i`` contributes as index ``i``.
+            step (SyncBatchNormStep): the step's rendezvous.
+
+        Raises:
+            ValueError: as :func:`attach_step`.
+        """
+        _check_parties(replicas, step)
+        if ReplicaSyncBatchNorm._layers_made != self._layers_made:
+            self._find()
+        copies = [self._copies(replica) for replica in replicas]
+        if any(found is None for found in copies):
+            attach_step(replicas, step)
+            self._find()
+            return
+        for index, found in enumerate(copies):
+            assert found is not None
+            for (name, _, _), layer in zip(self._layers, found, strict=True):
+                _attach_layer(layer, name, index, step)
+
+    def _copies(self, replica: Module) -> list[ReplicaSyncBatchNorm] | None:
+        """The replica's copy of each recorded layer, or ``None`` when a path leads elsewhere (the tree changed)."""
+        copies = []
+        for _, atoms, origin in self._layers:
+            module: Module | None = replica
+            for atom in atoms:
+                module = module._modules.get(atom) if module is not None else None
+            if not isinstance(module, ReplicaSyncBatchNorm) or module._sync_origin is not origin:
+                return None
+            copies.append(module)
+        return copies

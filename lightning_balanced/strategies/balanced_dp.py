@@ -33,8 +33,8 @@ from lightning_balanced.parallel import (
 from lightning_balanced.parallel.chunk_sizes import ExplicitChunkSizes, Gpu0Budget, WeightedSplit
 from lightning_balanced.parallel.sync_batchnorm import (
     SyncBatchNormAborted,
+    SyncBatchNormLayers,
     SyncBatchNormStep,
-    attach_step,
     convert_replica_batchnorm,
     revert_replica_batchnorm,
 )
@@ -133,6 +133,7 @@ class BalancedDataParallel(SingleProcess):
         self.loss_reduction = loss_reduction
         self.sync_batchnorm = sync_batchnorm
         self._batchnorm_synced = False
+        self._batchnorm_layers: SyncBatchNormLayers | None = None
         self._devices: list[torch.device] = []
         self._dispatcher: _StepDispatcher | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -185,6 +186,8 @@ class BalancedDataParallel(SingleProcess):
         super().setup(trainer)
         assert self.lightning_module is not None
         self._dispatcher = _StepDispatcher(self.lightning_module, self.precision_plugin)
+        # Found once here; each step follows their paths in the replicas instead of searching the replicas' trees.
+        self._batchnorm_layers = SyncBatchNormLayers(self.lightning_module) if self._batchnorm_synced else None
         self._metrics = find_metrics(self.lightning_module)
         if num_devices > 1 and self.root_device.type != "cuda" and self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=num_devices - 1, thread_name_prefix="balanced_dp")
@@ -195,6 +198,7 @@ class BalancedDataParallel(SingleProcess):
             self._executor.shutdown(wait=True)
             self._executor = None
         self._dispatcher = None
+        self._batchnorm_layers = None
         if self._batchnorm_synced and self.model is not None:
             self.model = revert_replica_batchnorm(self.model)  # the user's own BatchNorm objects, trained state
             self._batchnorm_synced = False
@@ -251,12 +255,18 @@ class BalancedDataParallel(SingleProcess):
         scattered = scatter((args, kwargs), chunk_sizes, run_devices)
         # torch's replicate broadcasts from the module's device, devices[0]: replicate there even when device 0 has no
         # samples, and leave that replica unused.
-        replicas = replicate(dispatcher, [devices[0], *run_devices[run[0] == 0 :]], detach=not torch.is_grad_enabled())
+        replicate_to = [devices[0], *run_devices[run[0] == 0 :]]
+        try:
+            replicas = replicate(dispatcher, replicate_to, detach=not torch.is_grad_enabled())
+        except TypeError:
+            # A module compiled after setup (in a hook): the setup's error, naming it in the LightningModule.
+            check_replicable(module)
+            raise
         replicas = replicas[1:] if run[0] != 0 else replicas
         batchnorm_step = None
-        if self._batchnorm_synced and batch_size > 0:  # a batch of 0 normalizes as on one device (no statistics)
+        if self._batchnorm_layers is not None and batch_size > 0:  # a batch of 0 normalizes as on one device
             batchnorm_step = SyncBatchNormStep(chunk_sizes, _RENDEZVOUS_TIMEOUT_S)
-            attach_step([replica.module for replica in replicas], batchnorm_step)
+            self._batchnorm_layers.attach([replica.module for replica in replicas], batchnorm_step)
         recorders = [ReplicaLogRecorder() for _ in replicas]
         rendezvous = Rendezvous(len(replicas), _RENDEZVOUS_TIMEOUT_S)
         manual = step_name == "training_step" and not module.automatic_optimization
@@ -400,8 +410,9 @@ class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
     * Inside a step, replicas' ``self.parameters()`` is empty (parameters are broadcast views); use the modules
       themselves.
     * Compiled modules (``torch.compile(module)`` or ``module.compile()`` anywhere in the LightningModule) are refused
-      at setup with a ``TypeError``: compiled code stays bound to the original module, so replicas would run the
-      original. Train without compiling, or compile under a single device or DDP.
+      at setup with a ``TypeError``, and one compiled later (in a hook) at the next step with the same error: compiled
+      code stays bound to the original module, so replicas would run the original. Train without compiling, or compile
+      under a single device or DDP.
     * ``world_size`` is 1 and there is no ``DistributedSampler``: the dataloader's ``batch_size`` is the whole batch
       that is split.
 
@@ -425,7 +436,8 @@ class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
         ValueError: more than one of ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative size; weights that are not
             positive and finite; an unknown ``loss_reduction``. At setup: ``chunk_sizes`` or ``weights`` whose length
             differs from the number of devices.
-        TypeError: a non-integer size or non-real weight; at setup, a compiled module.
+        TypeError: a non-integer size or non-real weight; at setup (or at the next step, for one compiled in a hook), a
+            compiled module.
 
     Source: Lightning 1.9's ``DataParallelStrategy`` (removed in 2.0) and the ``BalancedDataParallel`` of
     transformer-xl, with the loss weighted by chunk size instead of an unweighted mean.

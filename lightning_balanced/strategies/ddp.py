@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_balanced.batchnorm_conversion import revert_batchnorm
 from lightning_balanced.lr_scaling import (
     LR_SCALE_FACTOR_KEY,
     effective_batch_size,
@@ -37,7 +38,8 @@ class DeviceSyncBatchNorm(LayerSync):
     """Lightning ``LayerSync`` plugin: torch's ``SyncBatchNorm`` on CUDA, ours elsewhere; reverts to the user's layers.
 
     :meth:`revert` puts the very BatchNorm objects :meth:`apply` replaced back into the model (their class, hooks and
-    attributes intact), holding the synchronized layers' current parameters, buffers and training flag.
+    attributes intact), wherever the synchronized layers are now, holding their current parameters, buffers,
+    hyperparameters and training flag.
 
     Args:
         device_type (Callable[[], str]): returns the type of the strategy's root device when :meth:`apply` runs.
@@ -45,33 +47,28 @@ class DeviceSyncBatchNorm(LayerSync):
 
     def __init__(self, device_type: Callable[[], str]) -> None:
         self._device_type = device_type
-        self._originals: dict[str, _BatchNorm] = {}
+        self._originals: dict[Module, _BatchNorm] = {}
 
     @override
     def apply(self, model: Module) -> Module:
         """Replace every BatchNorm layer of ``model`` by a synchronized one sharing its parameters and buffers."""
         from lightning_balanced.sync_batchnorm import SyncBatchNorm
 
-        self._originals = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
+        originals = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
         if self._device_type() == "cuda":
             converted: Module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-            return converted
-        return SyncBatchNorm.convert_sync_batchnorm(model)
+        else:
+            converted = SyncBatchNorm.convert_sync_batchnorm(model)
+        # Each synchronized layer -> the user's layer it replaced (torch's converter keeps no link back).
+        synced = {name: converted.get_submodule(name) for name in originals}
+        self._originals = {synced[name]: m for name, m in originals.items() if synced[name] is not m}
+        return converted
 
     @override
     def revert(self, model: Module) -> Module:
         """Put the user's BatchNorm layers back, with the trained state of the synchronized ones."""
-        for name, original in self._originals.items():
-            synced = model.get_submodule(name) if name else model
-            original._parameters.update(synced._parameters)
-            original._buffers.update(synced._buffers)
-            original.train(synced.training)
-            if not name:
-                return original
-            parent_name, _, child = name.rpartition(".")
-            (model.get_submodule(parent_name) if parent_name else model)._modules[child] = original
-        self._originals = {}
-        return model
+        originals, self._originals = self._originals, {}
+        return revert_batchnorm(model, originals.get)
 
 
 def _train_batch_size(trainer: pl.Trainer) -> int | None:
