@@ -6,10 +6,11 @@ the padding repeat of sample 0. Each rank buffered its evaluation outputs batch 
 per step): ``preds`` (int64 class labels), ``target`` (int64), ``scores`` (float32 logits, 10 classes) and the int64
 sample ``indices``. Timed is what happens at epoch end, from the per-batch tensors to one tensor per field:
 
-* ``ours``: ``DistributedEvalMixin.gather_eval_outputs``: the store meeting (one ``set`` and one ``wait`` per rank),
-  one ``all_gather_object`` of metadata (2 collectives), then per field (``indices`` included) ``torch.cat`` the
-  batches and torchmetrics' ``gather_all_tensors`` (3 collectives: 2 + 3 * 4 = 14 here), then **drop the repeat by
-  sample index and order by it**: its result holds ``N`` samples;
+* ``ours``: ``DistributedEvalMixin.gather_eval_outputs``: the store exchange of metadata (five round trips per rank,
+  no collective), each rank's check of its own indices against ``DistributedSampler``'s layout, then per field
+  ``torch.cat`` the batches and torchmetrics' ``gather_all_tensors`` (3 collectives each: 9 here, as the layout holds
+  and the indices need no gather; 12 with ``--shuffle``, which gathers and sorts them), then **keep each sample once,
+  ordered by index**: its result holds ``N`` samples;
 * ``torchmetrics``: what a user (or torchmetrics' own ``CatMetric`` sync) does with the same tensors: per field,
   ``torch.cat`` the batches, ``gather_all_tensors`` (a barrier, a gather of the shapes, the gather: 3 * 4 = 12
   collectives here), ``torch.cat`` the ranks. It does not dedupe: its result holds ``N + 1`` samples, the padding

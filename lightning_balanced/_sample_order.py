@@ -121,11 +121,8 @@ class KeptRows:
 
     def take(self, blocks: list[Tensor]) -> Tensor:
         """The kept rows of a tensor field, from each rank's rows ``blocks[r]`` (``counts[r]`` rows each)."""
-        if self.interleave:  # one strided copy per rank into the interleaved order, then its first n rows
-            rows = blocks[0].new_empty((blocks[0].shape[0], len(blocks), *blocks[0].shape[1:]))
-            for rank, block in enumerate(blocks):
-                rows[:, rank] = block
-            return rows.flatten(0, 1)[: self.indices.numel()]
+        if self.interleave:  # one copy into the interleaved order (as fast as a plain cat), then its first n rows
+            return torch.cat([block.unsqueeze(1) for block in blocks], dim=1).flatten(0, 1)[: self.indices.numel()]
         rows = torch.cat(blocks)
         return rows.index_select(0, self._rows().to(rows.device))  # copies whole rows: 2-7x faster than rows[keep]
 
