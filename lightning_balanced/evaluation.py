@@ -97,8 +97,10 @@ def _problem(calls: list[_Call], index: Tensor | None) -> str | None:
 def _mismatch(metas: list[_Meta]) -> str | None:
     """Why the ranks' fields cannot be gathered together: the first field that differs, with both versions."""
     signatures = [(r, m.signature) for r, m in enumerate(metas) if m.signature]
+    if not signatures:
+        return None
+    first, (structure, given) = signatures[0]
     for rank, (other, other_given) in signatures[1:]:
-        first, (structure, given) = signatures[0]
         mine, theirs = dict(zip(*structure[1:], strict=True)), dict(zip(*other[1:], strict=True))
         for name in [*mine, *(name for name in theirs if name not in mine)]:
             if mine.get(name) != theirs.get(name):
@@ -121,8 +123,8 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
     given = len(pieces) == len(calls)  # a rank without calls has an empty index
     index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
     index_cpu = index.cpu() if given else None  # one host sync here, none in the steps
-    kinds = per_sample.leaves(calls[0].structure) if calls else []
     problem, count = _problem(calls, index_cpu), sum(call.samples for call in calls)
+    kinds = per_sample.leaves(calls[0].structure) if calls and not problem else []
     meta = _Meta(
         problem,
         (calls[0].structure, calls[0].indices is not None) if calls and not problem else None,

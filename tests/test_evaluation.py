@@ -227,6 +227,10 @@ def test_fields_that_change_between_calls_raise_at_gather() -> None:
     model.add_eval_outputs(torch.tensor([1]), a=torch.zeros(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="changed between calls"):
         model.gather_eval_outputs()
+    model.add_eval_outputs(torch.tensor([0]), a=torch.zeros(1), ids=["x"])  # then a call with fewer fields
+    model.add_eval_outputs(torch.tensor([1]), a=torch.zeros(1))
+    with pytest.raises(ValueError, match="changed between calls"):
+        model.gather_eval_outputs()
     model.add_eval_outputs(torch.tensor([0]), a=torch.zeros(1))
     model.add_eval_outputs(torch.tensor([0]), a=torch.zeros(1))
     with pytest.raises(ValueError, match="same sample index twice on one rank"):
