@@ -34,13 +34,7 @@ from torch.utils.data import Dataset
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 import lightning_balanced._per_sample_fields as per_sample
-from lightning_balanced._sample_order import (
-    KeptRows,
-    interleave_size,
-    sample_indices,
-    sampler_positions,
-    sampler_tail,
-)
+import lightning_balanced._sample_order as sample_order
 from lightning_balanced.store_all_gather import store_all_gather_object
 
 __all__ = ["DistributedEvalMixin", "IndexedDataset"]
@@ -129,7 +123,7 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
         problem,
         (calls[0].structure, calls[0].indices is not None) if calls and not problem else None,
         count,
-        None if problem else sampler_tail(index_cpu, count, rank, world_size, dataset_size),
+        None if problem else sample_order.sampler_tail(index_cpu, count, rank, world_size, dataset_size),
         [kind.objects([call.values[k] for call in calls]) for k, kind in enumerate(kinds)],
     )
     metas = [meta]
@@ -147,13 +141,12 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
         return gather_all_tensors(tensor, group) if distributed else [tensor]
 
     counts = [m.samples for m in metas]
-    n = interleave_size(counts, [m.tail for m in metas])
+    n = sample_order.interleave_size(counts, [m.tail for m in metas])
     if n is not None:  # the sampler's interleave: the indices need no gather
-        kept = KeptRows(counts, device, n)
+        blocks: Sequence[Tensor] = ()
     else:  # sorted by the indices, gathered or generated
-        kept = KeptRows(
-            counts, device, None, gather(index) if reference[1] else sampler_positions(counts, dataset_size)
-        )
+        blocks = gather(index) if reference[1] else sample_order.sampler_positions(counts, dataset_size)
+    kept = sample_order.KeptRows(counts, device, n, blocks)
     values = (  # one field at a time: its gathered copies are freed before the next one arrives
         kind.unpack(
             [gather(t) for t in kind.pack([c.values[k] for c in calls], device)],
@@ -224,7 +217,7 @@ class DistributedEvalMixin:
         if len(set(counts.values())) > 1:
             raise ValueError(f"Per-sample fields disagree on the number of samples: {counts}")
         count = next(iter(counts.values()))
-        index = None if indices is None else sample_indices(indices, count, device)
+        index = None if indices is None else sample_order.sample_indices(indices, count, device)
         if count:  # list.append is thread-safe: balanced_dp's replicas add from their threads
             values = [kind.keep(value, device) for _, kind, value in leaves]
             structure = _structures.setdefault(structure, structure)  # one hash per call
