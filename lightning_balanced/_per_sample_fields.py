@@ -1,15 +1,16 @@
 """Per-sample evaluation fields: one small class per kind, and the nesting of fields in dicts and tuples.
 
 A field holds one entry per sample: a tensor (dim 0 = samples), a list of tensors of one dtype and trailing shape but
-varying length (ragged, e.g. per-image boxes), or a list of Python objects (e.g. image ids). Each kind keeps a value
-when it is added, packs a rank's values into the tensors to gather, and unpacks the gathered tensors into the kept
-samples (:class:`~lightning_balanced._sample_order.KeptRows`). Kinds compare and hash by value, so a structure of kinds
-tells two ranks' fields apart and names the difference (:func:`describe`).
+varying length (ragged, e.g. per-image boxes), a list of 0-dim tensors of one dtype (``list(scores)``), or a list of
+Python objects (e.g. image ids, target dicts). Each kind keeps a value when it is added, packs a rank's values into
+the tensors to gather, and unpacks the gathered tensors into the kept samples
+(:class:`~lightning_balanced._sample_order.KeptRows`). Kinds compare and hash by value, so a structure of kinds tells
+two ranks' (or two calls') fields apart and names the difference (:func:`difference`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,19 +19,52 @@ from torch import Tensor
 
 from lightning_balanced._sample_order import KeptRows
 
-__all__ = ["FieldKind", "PythonObjects", "RaggedTensors", "TensorRows", "describe", "flatten", "leaves", "rebuild"]
+__all__ = [
+    "FieldKind",
+    "PythonObjects",
+    "RaggedTensors",
+    "ScalarTensors",
+    "TensorRows",
+    "describe",
+    "difference",
+    "flatten",
+    "leaves",
+    "rebuild",
+]
+
+
+def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to its tensors, through dicts (rebuilt as dicts), lists and tuples; others as is."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {key: _map_tensors(value, fn) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_map_tensors(value, fn) for value in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def _own(tensor: Tensor) -> Tensor:
+    """``tensor`` detached, and copied when it views a larger storage (``logits[:, -1]``) it would otherwise pin."""
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
 
 
 class FieldKind:
-    """How a field's values are kept when added, packed into tensors to gather, and unpacked after the gather."""
+    """How a field's values are kept when added, packed to travel, and unpacked after the gather.
+
+    The base class is the Python-object kind: values travel pickled, tensors inside them on the CPU.
+    """
 
     def keep(self, value: Any, device: torch.device) -> Any:
-        """The value to buffer (tensors detached and moved to ``device``)."""
-        return value
+        """The value to buffer: tensors detached and moved to ``device`` (in objects: detached only)."""
+        return _map_tensors(value, _own)
 
     def objects(self, pieces: list[Any]) -> list[Any]:
         """A rank's Python objects to exchange (pickled), from its buffered values in call order."""
-        return [obj for piece in pieces for obj in piece]
+        objects: list[Any] = _map_tensors([obj for piece in pieces for obj in piece], Tensor.cpu)
+        return objects
 
     def pack(self, pieces: list[Any], device: torch.device) -> list[Tensor]:
         """A rank's tensors to gather, from its buffered values in call order (none: empty tensors on ``device``)."""
@@ -38,12 +72,13 @@ class FieldKind:
 
     def unpack(self, gathered: list[list[Tensor]], objects: list[Any], kept: KeptRows) -> Any:
         """The kept samples. ``gathered[k][r]``: rank ``r``'s ``k``-th packed tensor; ``objects``: rank-major."""
-        return [objects[i] for i in kept.positions()]
+        device = kept.indices.device
+        return [_map_tensors(objects[i], lambda t: t.to(device)) for i in kept.positions()]
 
 
 @dataclass(frozen=True)
 class PythonObjects(FieldKind):
-    """A list of Python objects, one per sample (ids, strings, tensors of mixed shapes): they travel pickled."""
+    """A list of Python objects, one per sample (ids, strings, dicts, tensors of mixed shapes): they travel pickled."""
 
     def __str__(self) -> str:
         return "a list of Python objects"
@@ -60,7 +95,7 @@ class TensorRows(FieldKind):
         return f"a {self.dtype} tensor of shape ({', '.join(['N', *map(str, self.trailing)])})"
 
     def keep(self, value: Any, device: torch.device) -> Any:
-        return value.detach().to(device)
+        return _own(value.to(device))
 
     def objects(self, pieces: list[Any]) -> list[Any]:
         return []
@@ -74,6 +109,20 @@ class TensorRows(FieldKind):
 
 
 @dataclass(frozen=True)
+class ScalarTensors(TensorRows):
+    """A list of 0-dim tensors of one dtype, one per sample (``list(scores)``): kept and gathered as one tensor."""
+
+    def __str__(self) -> str:
+        return f"a list of 0-dim {self.dtype} tensors"
+
+    def keep(self, value: Any, device: torch.device) -> Any:
+        return torch.stack(value).detach().to(device)
+
+    def unpack(self, gathered: list[list[Tensor]], objects: list[Any], kept: KeptRows) -> Any:
+        return list(super().unpack(gathered, objects, kept).unbind())
+
+
+@dataclass(frozen=True)
 class RaggedTensors(TensorRows):
     """A list of tensors, one per sample, of varying length (e.g. per-image boxes): their rows, and their lengths."""
 
@@ -81,7 +130,7 @@ class RaggedTensors(TensorRows):
         return f"a list of {self.dtype} tensors of shape ({', '.join(['K_i', *map(str, self.trailing)])})"
 
     def keep(self, value: Any, device: torch.device) -> Any:
-        return [v.detach().to(device) for v in value]
+        return [_own(v.to(device)) for v in value]
 
     def pack(self, pieces: list[Any], device: torch.device) -> list[Tensor]:
         values = [v for piece in pieces for v in piece]
@@ -98,9 +147,11 @@ def _kind(value: Any, path: str) -> FieldKind:
             raise ValueError(f"Per-sample field `{path}` is a 0-dim tensor; it needs one row per sample")
         return TensorRows(value.dtype, tuple(value.shape[1:]))
     if isinstance(value, list):  # an empty list is any kind: a call with no samples is never compared
-        kinds = {(v.dtype, tuple(v.shape[1:])) if isinstance(v, Tensor) and v.dim() else None for v in value}
+        kinds = {(v.dim() > 0, v.dtype, tuple(v.shape[1:])) if isinstance(v, Tensor) else None for v in value}
         kind = kinds.pop() if len(kinds) == 1 else None
-        return RaggedTensors(*kind) if kind is not None else PythonObjects()
+        if kind is None:
+            return PythonObjects()
+        return RaggedTensors(kind[1], kind[2]) if kind[0] else ScalarTensors(kind[1], ())
     raise TypeError(
         f"Per-sample field `{path}` must be a tensor, a list with one entry per sample, or a dict/tuple of those;"
         f" got {type(value).__name__}"
@@ -148,3 +199,20 @@ def describe(structure: Any) -> str:
     container, keys, children = structure
     parts = [f"{k!r}: {describe(c)}" if keys else describe(c) for k, c in zip(keys or children, children)]  # noqa: B905
     return f"a {container.__name__} ({', '.join(parts)})"
+
+
+def difference(a: Any, b: Any, where_a: str, where_b: str) -> str | None:
+    """The first field that differs between two structures of fields, with both versions; None when they agree.
+
+    Args:
+        a, b: structures from :func:`flatten` of the same keyword fields (dicts at the top).
+        where_a, where_b (str): where each comes from, for the message (``"on rank 0"``, ``"in call 3"``).
+    """
+    mine, theirs = dict(zip(*a[1:], strict=True)), dict(zip(*b[1:], strict=True))
+    for name in [*mine, *(name for name in theirs if name not in mine)]:
+        if mine.get(name) != theirs.get(name):
+            return (
+                f"per-sample field `{name}` is {describe(mine.get(name))} {where_a}"
+                f" but {describe(theirs.get(name))} {where_b}"
+            )
+    return f"the fields come in the order {list(mine)} {where_a} but {list(theirs)} {where_b}" if a != b else None

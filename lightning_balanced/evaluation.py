@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 import lightning_balanced._per_sample_fields as per_sample
@@ -74,14 +74,19 @@ class _Meta(NamedTuple):
     samples: int
     tail: int | None  # see sampler_tail
     objects: list[list[Any]]
+    dataset_size: int | None  # used without indices only
 
 
-_structures: dict[Any, Any] = {}  # one object per distinct structure: calls compare by identity at the gather
+_structures: dict[Any, Any] = {}  # one object per distinct structure: most calls compare by identity at the gather
 
 
 def _problem(calls: list[_Call], index: Tensor | None) -> str | None:
-    if any(call.structure is not calls[0].structure for call in calls):
-        return "the per-sample fields (names, kinds, dtypes or trailing shapes) changed between calls on one rank"
+    for number, call in enumerate(calls[1:], start=2):
+        if call.structure is not calls[0].structure and call.structure != calls[0].structure:
+            where = ("in the first call with samples", f"in call {number} with samples")
+            return "the per-sample fields changed between calls: " + str(
+                per_sample.difference(calls[0].structure, call.structure, *where)
+            )
     if len({call.indices is None for call in calls}) > 1:
         return "`indices` was given in some calls and not in others"
     negative = index is not None and index.numel() > 0 and int(index.min()) < 0  # indices added on an accelerator
@@ -89,23 +94,22 @@ def _problem(calls: list[_Call], index: Tensor | None) -> str | None:
 
 
 def _mismatch(metas: list[_Meta]) -> str | None:
-    """Why the ranks' fields cannot be gathered together: the first field that differs, with both versions."""
-    signatures = [(r, m.signature) for r, m in enumerate(metas) if m.signature]
-    if not signatures:
+    """Why the ranks' calls cannot be gathered together: the first field that differs, with both versions."""
+    signed = [(r, m, m.signature) for r, m in enumerate(metas) if m.signature is not None]
+    if not signed:
         return None
-    first, (structure, given) = signatures[0]
-    for rank, (other, other_given) in signatures[1:]:
-        mine, theirs = dict(zip(*structure[1:], strict=True)), dict(zip(*other[1:], strict=True))
-        for name in [*mine, *(name for name in theirs if name not in mine)]:
-            if mine.get(name) != theirs.get(name):
-                return (
-                    f"per-sample field `{name}` is {per_sample.describe(mine.get(name))} on rank {first}"
-                    f" but {per_sample.describe(theirs.get(name))} on rank {rank}"
-                )
-        if list(mine) != list(theirs):
-            return f"the fields come in the order {list(mine)} on rank {first} but {list(theirs)} on rank {rank}"
+    first, reference, (structure, given) = signed[0]
+    for rank, meta, (other, other_given) in signed[1:]:
+        difference = per_sample.difference(structure, other, f"on rank {first}", f"on rank {rank}")
+        if difference:
+            return difference
         if given != other_given:
             return f"`indices` was given on rank {first if given else rank} but not on rank {rank if given else first}"
+        if not given and meta.dataset_size != reference.dataset_size:
+            return (
+                f"without `indices`, `dataset_size` is {reference.dataset_size} on rank {first}"
+                f" but {meta.dataset_size} on rank {rank}"
+            )
     return None
 
 
@@ -125,6 +129,7 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
         count,
         None if problem else sample_order.sampler_tail(index_cpu, count, rank, world_size, dataset_size),
         [kind.objects([call.values[k] for call in calls]) for k, kind in enumerate(kinds)],
+        dataset_size,
     )
     metas = [meta]
     if distributed:
@@ -133,9 +138,10 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
     problems = problems or [_mismatch(metas)]
     if problems != [None]:  # every rank holds the same metas: every rank raises the same error, none is left waiting
         raise ValueError("Cannot gather the evaluation outputs: " + "; ".join(map(str, problems)))
-    reference = next((m.signature for m in metas if m.signature), None)
-    if reference is None:
+    signed = next((m for m in metas if m.signature), None)
+    if signed is None or signed.signature is None:
         return {}
+    reference, dataset_size = signed.signature, signed.dataset_size  # every rank's, as checked
 
     def gather(tensor: Tensor) -> list[Tensor]:
         return gather_all_tensors(tensor, group) if distributed else [tensor]
@@ -177,9 +183,11 @@ class DistributedEvalMixin:
                 self.log("val_acc", (out["preds"] == out["target"]).float().mean())
 
     Per-sample fields are tensors (dim 0 = samples, any dtype), lists with one entry per sample (tensors of varying
-    length such as per-image detections, or Python objects such as image ids), or dicts/tuples of those. They are
-    detached and moved to the root device (``trainer.strategy.root_device``) when added. Ranks may hold zero samples
-    and may have run different numbers of batches.
+    length such as per-image detections, 0-dim tensors, or Python objects such as image ids), or dicts/tuples of
+    those. Tensors are detached and moved to the root device (``trainer.strategy.root_device``) when added, and copied
+    when they view a larger tensor; those inside Python objects are detached, travel on the CPU and come back on the
+    root device. Do not modify an added tensor in place. Ranks may hold zero samples and may have run different
+    numbers of batches.
 
     Without ``indices``, rank ``r``'s ``j``-th sample is taken as the sampler's position ``j * world_size + r``. This
     is exact when each rank adds its samples in loader order, the sampler is a ``DistributedSampler`` with
@@ -214,12 +222,16 @@ class DistributedEvalMixin:
         leaves: list[tuple[str, per_sample.FieldKind, Any]] = []
         structure, device = per_sample.flatten(fields, "", leaves), self._root_device()
         counts = {path: len(value) for path, _, value in leaves}
+        if not counts:
+            raise ValueError(f"The per-sample fields hold no tensor or list, only empty dicts/tuples: {list(fields)}")
         if len(set(counts.values())) > 1:
             raise ValueError(f"Per-sample fields disagree on the number of samples: {counts}")
         count = next(iter(counts.values()))
         index = None if indices is None else sample_order.sample_indices(indices, count, device)
         if count:  # list.append is thread-safe: balanced_dp's replicas add from their threads
             values = [kind.keep(value, device) for _, kind, value in leaves]
+            if len(_structures) > 1024:  # fields that change every call: an error at the gather, but bounded here
+                _structures.clear()
             structure = _structures.setdefault(structure, structure)  # one hash per call
             self._eval_buffer.append(_Call(structure, values, index, count))
 
@@ -242,13 +254,19 @@ class DistributedEvalMixin:
             rank added anything.
 
         Raises:
-            ValueError: on every rank, when a rank repeated a sample index, changed its fields between calls or mixed
-                calls with and without indices, or when ranks collected different fields (named, with both versions).
+            ValueError: on every rank, when a rank repeated a sample index, added a negative one on an accelerator,
+                changed its fields between calls, mixed calls with and without indices, held Python objects that do not
+                pickle, or (without indices) more samples than ``DistributedSampler`` gives it; or when ranks collected
+                different fields or, without indices, saw different ``dataset_size`` (named, with both versions).
+                ``timeout_s`` not > 0.
             RuntimeError: on every rank that called it, when another did not within ``timeout_s`` (named).
         """
+        if not timeout_s > 0:
+            raise ValueError(f"`timeout_s` must be > 0 seconds, got {timeout_s}")
         buffer, self._eval_buffer = self._eval_buffer, []
-        size = self._eval_dataset_size() if dataset_size is None else dataset_size
-        return _gather(buffer, size, group, self._root_device(), timeout_s)  # type: ignore[no-any-return]
+        if dataset_size is None and (not buffer or buffer[0].indices is None):  # needed without indices only
+            dataset_size = self._eval_dataset_size()
+        return _gather(buffer, dataset_size, group, self._root_device(), timeout_s)  # type: ignore[no-any-return]
 
     def _root_device(self) -> torch.device:
         trainer = getattr(self, "_trainer", None)
@@ -256,12 +274,21 @@ class DistributedEvalMixin:
         return device if isinstance(device, torch.device) else torch.device("cpu")
 
     def _eval_dataset_size(self) -> int | None:
+        """The size of the dataset DistributedSampler splits in the current loop (of the sampler Lightning wrapped)."""
         trainer = getattr(self, "_trainer", None)
         if trainer is None:
             return None
-        if trainer.validating or trainer.sanity_checking or trainer.training:
+        if trainer.validating or trainer.sanity_checking:
             loaders = trainer.val_dataloaders
+        elif trainer.training:
+            loaders = trainer.train_dataloader
         else:
             loaders = trainer.test_dataloaders if trainer.testing else trainer.predict_dataloaders
         loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
-        return len(loader.dataset) if hasattr(loader, "dataset") and hasattr(loader.dataset, "__len__") else None
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        sampler = getattr(loader, "sampler", None) or getattr(batch_sampler, "sampler", None)
+        source = sampler if isinstance(sampler, DistributedSampler) else loader
+        try:
+            return len(source.dataset)  # type: ignore[arg-type]
+        except (AttributeError, TypeError):
+            return None

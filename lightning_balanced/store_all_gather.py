@@ -2,8 +2,9 @@
 
 A rank that never reaches a collective leaves the others waiting in it until the process group's timeout (30 minutes
 by default). :func:`store_all_gather_object` instead has each rank write its object to the store and wait at most
-``timeout_s`` for the others' keys: the ranks that did not arrive are named in an error on every rank that did, and a
-rank that arrives after the others gave up raises too, instead of waiting alone.
+``timeout_s`` for the others' keys. Whether the exchange goes ahead is decided once, atomically, by the first rank to
+write a verdict (``compare_set``): either every rank goes on, or every rank raises, the late one included, naming the
+ranks that did not arrive in time.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ __all__ = ["store_all_gather_object"]
 _exchanges: dict[tuple[str, tuple[int, ...]], int] = {}  # per (caller, group): the exchanges this process has begun
 
 
-def _present(store: Any, key: str, set_it: bool = False) -> bool:
+class _NotSent(str):
+    """What a rank sends instead of an object it could not pickle: the reason."""
+
+
+def _present(store: Any, key: str) -> bool:
     try:
-        if set_it:
-            store.set(key, b"1")
         return bool(store.check([key]))
     except RuntimeError:  # the store's host (rank 0 of the world) has gone
         return False
@@ -31,41 +34,49 @@ def _present(store: Any, key: str, set_it: bool = False) -> bool:
 def store_all_gather_object(obj: Any, *, caller: str, timeout_s: float, group: Any | None = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order, on every rank of ``group``; waits at most ``timeout_s``.
 
-    Each rank ``set``s its pickled object under a key of this exchange, ``wait``s for the others' keys, ``check``s
-    that no rank gave up, reads them in one ``multi_get`` and deletes its key of the previous exchange, which every
-    rank has read by then: five store round trips, no collective. Every rank of ``group`` must call it the same
+    Each rank ``set``s its pickled object under a key of this exchange and ``wait``s for the others' keys; the first
+    rank to write the exchange's verdict decides for all (``"go"`` after a complete wait, ``"gave-up"`` after a timed
+    out one); then each reads every object in one ``multi_get`` and deletes its key of the previous exchange, which
+    every rank has read by then: five store round trips, no collective. Every rank of ``group`` must call it the same
     number of times for the same ``caller``.
 
     Args:
-        obj (Any): this rank's object (pickled; Python objects, tensors on any device).
+        obj (Any): this rank's object, pickled (move tensors to the CPU first: they unpickle on their device).
         caller (str): the public function that exchanges, named in errors and in the store keys.
-        timeout_s (float): how long, in seconds, to wait for the other ranks.
+        timeout_s (float): how long, in seconds, to wait for the other ranks; > 0.
         group (ProcessGroup, optional): the ranks taking part (default: the world).
 
     Returns:
         list: ``W`` objects, rank ``r``'s at position ``r`` of the group.
 
     Raises:
-        RuntimeError: on every rank that called it, when another rank did not call it within ``timeout_s`` (named), or
-            when this rank arrived after the others stopped waiting.
+        ValueError: ``timeout_s`` is not > 0; or, on every rank, some rank's object could not be pickled (named).
+        RuntimeError: on every rank that called it, when another rank did not call it within ``timeout_s`` (named).
     """
+    if not timeout_s > 0:
+        raise ValueError(f"`timeout_s` must be > 0 seconds, got {timeout_s}")
     ranks, me = tuple(dist.get_process_group_ranks(group or dist.group.WORLD)), dist.get_rank()
     count = _exchanges[caller, ranks] = _exchanges.get((caller, ranks), 0) + 1
     prefix = f"lightning_balanced/{caller}/{','.join(map(str, ranks))}/"
-    keys, gave_up = [f"{prefix}{count}/{r}" for r in ranks], f"{prefix}{count}/gave-up"
+    keys, verdict_key = [f"{prefix}{count}/{r}" for r in ranks], f"{prefix}{count}/verdict"
+    try:
+        payload = pickle.dumps(obj)
+    except Exception as err:  # sent as a reason, so every rank raises it instead of waiting for this one
+        payload = pickle.dumps(_NotSent(f"rank {me}: {type(err).__name__}: {err}"))
     store = dist.distributed_c10d._get_default_store()
-    store.set(keys[ranks.index(me)], pickle.dumps(obj))  # type: ignore[arg-type]  # the binding takes bytes too
+    store.set(keys[ranks.index(me)], payload)  # type: ignore[arg-type]  # the binding takes bytes too
+    cause: RuntimeError | None = None
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
-        missing, cause, late = [], None, _present(store, gave_up)
+        verdict = store.compare_set(verdict_key, "", "go")
     except RuntimeError as err:  # DistStoreError: the wait timed out; DistNetworkError: the store has gone
-        missing, cause, late = (
-            [r for r, key in zip(ranks, keys, strict=True) if r != me and not _present(store, key)],
-            err,
-            True,
-        )
-        _present(store, gave_up, set_it=True)  # a rank that arrives later raises too, instead of waiting alone
-    if late:
+        cause = err
+        try:
+            verdict = store.compare_set(verdict_key, "", "gave-up")
+        except RuntimeError:
+            verdict = b"gave-up"
+    if verdict != b"go":  # a rank whose wait timed out after another wrote "go" goes on: every key was there
+        missing = [r for r, key in zip(ranks, keys, strict=True) if r != me and not _present(store, key)]
         who = f"rank(s) {missing} did not call it" if missing else "the other ranks stopped waiting for this one"
         raise RuntimeError(
             f"{caller}: {who} within {timeout_s:g} s. It runs collectives, so every rank must call it at the same"
@@ -74,4 +85,9 @@ def store_all_gather_object(obj: Any, *, caller: str, timeout_s: float, group: A
         ) from cause
     objects = [pickle.loads(value) for value in store.multi_get(keys)]
     store.delete_key(f"{prefix}{count - 1}/{me}")
+    if me == ranks[0]:
+        store.delete_key(f"{prefix}{count - 1}/verdict")
+    failed = [str(o) for o in objects if isinstance(o, _NotSent)]
+    if failed:
+        raise ValueError(f"{caller}: cannot send the objects of " + "; ".join(failed))
     return objects

@@ -240,6 +240,32 @@ def test_fields_that_change_between_calls_raise_at_gather() -> None:
         model.gather_eval_outputs()
 
 
+def test_a_field_that_changed_between_calls_is_named_with_both_versions() -> None:
+    model = Classifier()
+    model.add_eval_outputs([0, 1], boxes=[torch.rand(3, 4), torch.rand(1, 4)])
+    model.add_eval_outputs([2], boxes=[torch.empty(0)])  # "no detections" written as a 1-d empty tensor
+    with pytest.raises(
+        ValueError, match=r"`boxes` is a list of torch.float32 tensors of shape \(K_i, 4\) in the first"
+    ):
+        model.gather_eval_outputs()
+
+
+def test_empty_containers_and_a_timeout_that_is_not_positive_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="hold no tensor or list"):
+        Classifier().add_eval_outputs([0], x={})
+    with pytest.raises(ValueError, match="`timeout_s` must be > 0"):
+        Classifier().gather_eval_outputs(timeout_s=0)
+
+
+def test_a_view_of_a_larger_tensor_is_copied_when_added() -> None:
+    model, logits = Classifier(), torch.arange(12.0).reshape(4, 3)
+    model.add_eval_outputs([0, 1, 2, 3], last=logits[:, -1], rows=list(logits))
+    logits.fill_(-1.0)  # neither the column nor the rows pin or share the user's tensor
+    out = model.gather_eval_outputs()
+    assert out["last"].tolist() == [2.0, 5.0, 8.0, 11.0]
+    assert [r.tolist() for r in out["rows"]] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]
+
+
 def test_non_tensor_fields_of_other_types_raise_type_error() -> None:
     with pytest.raises(TypeError, match="`a` must be a tensor, a list"):
         Classifier().add_eval_outputs(torch.tensor([0]), a=3)

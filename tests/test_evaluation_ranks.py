@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import BalancedDataParallelStrategy
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
+from lightning_balanced.store_all_gather import _exchanges
 from tests.distributed import run_distributed
 from tests.helpers import RunIf, quiet_trainer
 
@@ -155,8 +156,6 @@ _MISMATCHES: list[tuple[str, dict[str, Any], dict[str, Any], list[str]]] = [
 
 def _edge_rank(rank: int, world_size: int) -> dict[str, Any]:
     holder, out = Holder(), {}
-    store = torch.distributed.distributed_c10d._get_default_store()
-    keys_before = store.num_keys()
 
     def gather(**kwargs: Any) -> Any:
         try:
@@ -190,10 +189,38 @@ def _edge_rank(rank: int, world_size: int) -> dict[str, Any]:
         out[name] = gather()
     holder.add_eval_outputs([rank] if rank == 0 else None, a=torch.zeros(1))
     out["indices on one rank only"] = gather()
+    # without indices, ranks that disagree on the dataset's size: refused on both, not a rank raising alone
+    holder.add_eval_outputs(None, a=torch.zeros(3))
+    out["dataset sizes differ"] = gather(dataset_size=5 + 5 * rank)
+    # an object that does not pickle on rank 1: named on both ranks at once, not blamed as a rank that did not come
+    holder.add_eval_outputs([rank], o=[(lambda: 0) if rank else "x"])
+    start = time.monotonic()
+    out["unpicklable"] = (gather(), time.monotonic() - start)
+    # 0-dim tensors, and tensors inside Python objects (target dicts): each kept once, back on the root device
+    scores = torch.tensor([0.5, 1.5]) + rank
+    holder.add_eval_outputs(
+        [rank, rank + 2], s=list(scores), t=[{"boxes": torch.full((i, 4), float(i))} for i in (1, 2)]
+    )
+    out["scalars and dicts"] = gather()
     holder.add_eval_outputs([rank], a=torch.tensor([float(rank)]))  # the group still works after all of that
     out["after the errors"] = gather()
     torch.distributed.barrier()
-    out["store keys left"] = store.num_keys() - keys_before  # each exchange deletes the one before: only the last's
+    count = _exchanges["gather_eval_outputs", (0, 1)]
+    keys = [f"lightning_balanced/gather_eval_outputs/0,1/{c}/{name}" for c in range(1, count + 1) for name in "01v"]
+    store = torch.distributed.distributed_c10d._get_default_store()
+    present = [key for key in keys if store.check([key.replace("/v", "/verdict")])]
+    out["store keys left"] = [key.rsplit("/", 2)[-2:] for key in present]  # each exchange deletes the one before
+    # a rank that arrives after the other gave up raises too, instead of going into the gather alone
+    holder.add_eval_outputs([rank], a=torch.zeros(1))
+    if rank == 1:
+        time.sleep(3)
+    try:
+        holder.gather_eval_outputs(timeout_s=1.5)
+        out["late rank"] = "finished"
+    except RuntimeError as err:
+        out["late rank"] = str(err)
+    if rank == 0:
+        time.sleep(3)  # keep the store (hosted by rank 0) up while rank 1 arrives
     return out
 
 
@@ -212,9 +239,21 @@ def test_empty_calls_and_field_mismatches_on_two_gloo_ranks() -> None:
             for part in parts:
                 assert part in message, (name, part, message)
         assert "`indices` was given on rank 0 but not on rank 1" in out["indices on one rank only"]
+        assert "`dataset_size` is 5 on rank 0 but 10 on rank 1" in out["dataset sizes differ"]
+        message, seconds = out["unpicklable"]
+        assert message.startswith("ValueError: gather_eval_outputs: cannot send the objects of rank 1"), message
+        assert seconds < 10, seconds  # not the 30 s meeting timeout
+        scalars_and_dicts = out["scalars and dicts"]
+        assert [float(v) for v in scalars_and_dicts["s"]] == [0.5, 1.5, 1.5, 2.5]
+        assert all(v.dim() == 0 for v in scalars_and_dicts["s"])
+        assert [d["boxes"].shape[0] for d in scalars_and_dicts["t"]] == [1, 1, 2, 2]
+        assert torch.equal(scalars_and_dicts["t"][3]["boxes"], torch.full((2, 4), 2.0))
         assert out["after the errors"]["a"].tolist() == [0.0, 1.0]
-        assert out["store keys left"] == 2, out["store keys left"]
-    for name, *_ in _MISMATCHES:
+        assert len(out["store keys left"]) == 3, out["store keys left"]  # the last exchange's 2 keys and verdict
+        assert {count for count, _ in out["store keys left"]} == {out["store keys left"][0][0]}
+    assert "rank(s) [1] did not call it within 1.5 s" in per_rank[0]["late rank"]
+    assert "the other ranks stopped waiting for this one" in per_rank[1]["late rank"]
+    for name in [*(m[0] for m in _MISMATCHES), "dataset sizes differ"]:
         assert per_rank[0][name] == per_rank[1][name], name  # the same error on every rank
 
 
