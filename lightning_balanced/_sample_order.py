@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import DistributedSampler
 
-__all__ = ["KeptRows", "interleave_size", "sample_indices", "sampler_positions", "sampler_tail"]
+__all__ = ["KeptRows", "interleave_size", "sample_indices", "sampler_dataset_size", "sampler_positions", "sampler_tail"]
 
 
 def sample_indices(indices: Any, count: int, device: torch.device) -> Tensor:
@@ -67,6 +68,18 @@ def interleave_size(counts: list[int], tails: list[int | None]) -> int | None:
         return None
     top, n = (counts[0] - 1) * len(counts), max(t for t in tails if t is not None) + 1  # n - 1 is in the last row
     return n if top < n and all(t == (top + r) % n for r, t in enumerate(tails)) else None
+
+
+def sampler_dataset_size(loader: Any) -> int | None:
+    """The size of the dataset ``loader``'s ``DistributedSampler`` splits (else of its dataset); None if unsized.
+
+    Lightning wraps a user's sampler in a ``DistributedSampler`` over the sampler's positions, not the dataset's.
+    """
+    sampler = getattr(loader, "sampler", None) or getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    try:
+        return len((sampler if isinstance(sampler, DistributedSampler) else loader).dataset)  # type: ignore[arg-type]
+    except (AttributeError, TypeError):
+        return None
 
 
 def sampler_positions(counts: list[int], dataset_size: int | None) -> list[Tensor]:

@@ -4,17 +4,13 @@
 ``[0, 2, 4]`` and ``[1, 3, 0]``, an accuracy of 1/5 reported as 2/6). :class:`DistributedEvalMixin` buffers per-sample
 outputs on the root device, with no collective inside steps. At epoch end, ``gather_eval_outputs``:
 
-1. exchanges each rank's fields (names, kinds, dtypes, trailing shapes), sample count, problems, Python objects and
-   whether its indices follow DistributedSampler's layout, through the store and waiting at most ``timeout_s``
-   (:func:`~lightning_balanced.store_all_gather.store_all_gather_object`). Every rank checks the same list, so all
-   raise the same error, or none;
-2. gathers the fields one after the other with torchmetrics' ``gather_all_tensors``: one tensor per tensor field, two
-   per ragged field (rows, per-sample lengths), and the indices only when the ranks' samples are not the sampler's
-   interleave (shuffled, filtered);
-3. keeps each sample index once, ordered by index (``lightning_balanced._sample_order``).
-
-Collectives per epoch: 3 per gathered tensor (barrier, shapes, rows). ``preds`` and ``target``: 6, or 9 with a
-shuffled loader. The store exchange adds five round trips per rank.
+1. exchanges each rank's fields, counts, problems, Python objects and whether its indices follow
+   ``DistributedSampler``'s layout through the store, with a deadline (``store_all_gather_object``): every rank
+   checks the same list, so all raise the same error, or none;
+2. gathers the fields one at a time with torchmetrics' ``gather_all_tensors`` (3 collectives per tensor: one per tensor
+   field, two per ragged field), and the indices only when the ranks' samples are not the sampler's interleave;
+3. keeps each sample index once, ordered by index (``_sample_order``). ``preds`` and ``target``: 6 collectives per
+   epoch, 9 with a shuffled loader.
 
 Why torchmetrics' gather: in ``benchmarks/bench_gather.py``'s setting, our own variable-length ``all_gather`` (no
 barrier, no zero-filled receive buffers) took 0.72, 0.87 and 0.90 of the time at 1e5 samples but 1.10, 1.02 and 1.05
@@ -30,31 +26,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils.data import Dataset, DistributedSampler
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 import lightning_balanced._per_sample_fields as per_sample
 import lightning_balanced._sample_order as sample_order
+from lightning_balanced.indexed_dataset import IndexedDataset
 from lightning_balanced.store_all_gather import store_all_gather_object
 
 __all__ = ["DistributedEvalMixin", "IndexedDataset"]
-
-
-class IndexedDataset(Dataset):
-    """Wraps a map-style dataset so each item is ``(index, sample)``; the index then travels in the batch.
-
-    Args:
-        dataset (Dataset): any map-style dataset with ``__len__``.
-    """
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> tuple[int, Any]:
-        return index, self.dataset[index]
 
 
 class _Call(NamedTuple):
@@ -84,8 +63,8 @@ def _problem(calls: list[_Call], index: Tensor | None) -> str | None:
     for number, call in enumerate(calls[1:], start=2):
         if call.structure is not calls[0].structure and call.structure != calls[0].structure:
             where = ("in the first call with samples", f"in call {number} with samples")
-            return "the per-sample fields changed between calls: " + str(
-                per_sample.difference(calls[0].structure, call.structure, *where)
+            return (
+                f"the fields changed between calls: {per_sample.difference(calls[0].structure, call.structure, *where)}"
             )
     if len({call.indices is None for call in calls}) > 1:
         return "`indices` was given in some calls and not in others"
@@ -274,7 +253,6 @@ class DistributedEvalMixin:
         return device if isinstance(device, torch.device) else torch.device("cpu")
 
     def _eval_dataset_size(self) -> int | None:
-        """The size of the dataset DistributedSampler splits in the current loop (of the sampler Lightning wrapped)."""
         trainer = getattr(self, "_trainer", None)
         if trainer is None:
             return None
@@ -284,11 +262,6 @@ class DistributedEvalMixin:
             loaders = trainer.train_dataloader
         else:
             loaders = trainer.test_dataloaders if trainer.testing else trainer.predict_dataloaders
-        loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        sampler = getattr(loader, "sampler", None) or getattr(batch_sampler, "sampler", None)
-        source = sampler if isinstance(sampler, DistributedSampler) else loader
-        try:
-            return len(source.dataset)  # type: ignore[arg-type]
-        except (AttributeError, TypeError):
-            return None
+        return sample_order.sampler_dataset_size(
+            loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
+        )
