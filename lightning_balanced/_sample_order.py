@@ -75,9 +75,10 @@ def sampler_dataset_size(loader: Any) -> int | None:
 
     Lightning wraps a user's sampler in a ``DistributedSampler`` over the sampler's positions, not the dataset's.
     """
-    sampler = getattr(loader, "sampler", None) or getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    samplers = [getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    sampler = next((s for s in samplers if isinstance(s, DistributedSampler)), None)
     try:
-        return len((sampler if isinstance(sampler, DistributedSampler) else loader).dataset)  # type: ignore[arg-type]
+        return len((sampler if sampler is not None else loader).dataset)  # type: ignore[arg-type]
     except (AttributeError, TypeError):
         return None
 

@@ -7,9 +7,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from lightning_balanced._sample_order import KeptRows, interleave_size, sampler_positions, sampler_tail
+from lightning_balanced._sample_order import (
+    KeptRows,
+    interleave_size,
+    sampler_dataset_size,
+    sampler_positions,
+    sampler_tail,
+)
 
 CPU = torch.device("cpu")
 
@@ -97,3 +103,13 @@ def test_generated_positions_follow_the_sampler_and_refuse_too_many_samples() ->
     assert interleave_size(counts, [4, 0]) == 5
     with pytest.raises(ValueError, match=r"rank 0 added 4 samples.*at most 3 of the 5"):
         sampler_positions([4, 3], 5)
+
+
+def test_the_dataset_size_is_the_one_the_distributed_sampler_splits() -> None:
+    dataset = TensorDataset(torch.zeros(10))
+    assert sampler_dataset_size(DataLoader(dataset, batch_size=2)) == 10
+    assert sampler_dataset_size(DataLoader(dataset, sampler=DistributedSampler(dataset, 2, 0))) == 10
+    # a batch sampler around a DistributedSampler over 7 positions (as Lightning wraps a user's sampler): 7, not 10
+    batches = BatchSampler(DistributedSampler(range(7), 2, 0), batch_size=2, drop_last=False)
+    assert sampler_dataset_size(DataLoader(dataset, batch_sampler=batches)) == 7
+    assert sampler_dataset_size(object()) is None
