@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["Moments", "batch_moments", "combine_moments"]
+__all__ = ["Moments", "batch_moments", "check_batchnorm_input", "combine_moments"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +141,21 @@ def combine_moments(count: Tensor, mean: Tensor, m2: Tensor) -> Moments:
     spread = weight * (mean - combined_mean) ** 2
     combined_m2 = m2.sum(0) + torch.where(present, spread, torch.zeros_like(spread)).sum(0)
     return Moments(total, combined_mean, combined_m2)
+
+
+def check_batchnorm_input(layer: _BatchNorm, input: Tensor) -> None:
+    """Refuse what BatchNorm1d/2d/3d refuse: not ``(N, C, *)`` with 0 to 3 trailing dims, or not ``C`` channels.
+
+    Raises:
+        ValueError: naming ``layer``'s class, the expected shape and the input's.
+    """
+    if not 2 <= input.dim() <= 5:
+        raise ValueError(
+            f"{type(layer).__name__} expects a 2D to 5D input (N, C, *) as BatchNorm1d/2d/3d do, got a "
+            f"{input.dim()}D input of shape {list(input.shape)}"
+        )
+    if input.shape[1] != layer.num_features:
+        raise ValueError(
+            f"{type(layer).__name__} expects {layer.num_features} channels in dimension 1, got input of shape "
+            f"{list(input.shape)}"
+        )

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_balanced.batchnorm_conversion import convert_batchnorm, revert_batchnorm
-from lightning_balanced.batchnorm_moments import batch_moments, combine_moments
+from lightning_balanced.batchnorm_moments import batch_moments, check_batchnorm_input, combine_moments
 
 __all__ = ["SyncBatchNorm"]
 
@@ -248,16 +248,7 @@ class SyncBatchNorm(_BatchNorm):
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
-        if not 2 <= input.dim() <= 5:
-            raise ValueError(
-                f"SyncBatchNorm expects a 2D to 5D input (N, C, *) as BatchNorm1d/2d/3d do, got a {input.dim()}D "
-                f"input of shape {list(input.shape)}"
-            )
-        if input.shape[1] != self.num_features:
-            raise ValueError(
-                f"SyncBatchNorm expects {self.num_features} channels in dimension 1, got input of shape "
-                f"{list(input.shape)}"
-            )
+        check_batchnorm_input(self, input)
 
     def _sync_world_size(self) -> tuple[Any, int]:
         """The process group to reduce over and its size; size 1 when there is nothing to synchronize with."""

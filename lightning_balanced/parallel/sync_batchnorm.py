@@ -38,7 +38,7 @@ from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_balanced.batchnorm_conversion import convert_batchnorm, revert_batchnorm
-from lightning_balanced.batchnorm_moments import Moments, batch_moments, combine_moments
+from lightning_balanced.batchnorm_moments import Moments, batch_moments, check_batchnorm_input, combine_moments
 
 __all__ = [
     "ReplicaSyncBatchNorm",
@@ -167,19 +167,6 @@ class SyncBatchNormStep:
             return slot.result
 
 
-def _check_input(layer: _BatchNorm, input: Tensor) -> None:
-    if not 2 <= input.dim() <= 5:
-        raise ValueError(
-            f"{type(layer).__name__} expects a 2D to 5D input (N, C, *) as BatchNorm1d/2d/3d do, got a "
-            f"{input.dim()}D input of shape {list(input.shape)}"
-        )
-    if input.shape[1] != layer.num_features:
-        raise ValueError(
-            f"{type(layer).__name__} expects {layer.num_features} channels in dimension 1, got input of shape "
-            f"{list(input.shape)}"
-        )
-
-
 def _statistics_dtype(device: torch.device) -> torch.dtype:
     """float64 moments and combination (tiny (C,) tensors), float32 on MPS, which has no float64."""
     return torch.float32 if device.type == "mps" else torch.float64
@@ -255,7 +242,7 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         ReplicaSyncBatchNorm._layers_made += 1
 
     def _check_input_dim(self, input: Tensor) -> None:
-        _check_input(self, input)
+        check_batchnorm_input(self, input)
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalize ``input``: over all replicas' chunks when a step is attached, else as plain BatchNorm.
@@ -273,7 +260,7 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
         if step is None or not batch_statistics:
             return super().forward(input)
-        _check_input(self, input)
+        check_batchnorm_input(self, input)
         compute_dtype = torch.promote_types(input.dtype, torch.float32)
         x = input.to(compute_dtype)
         stats_dtype = _statistics_dtype(input.device)
