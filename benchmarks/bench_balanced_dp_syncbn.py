@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from bench_ddp_overhead import StepTimer
 from digits import DigitsClassifier, DigitsDataModule
 
 from lightning_balanced import BalancedDataParallelStrategy
@@ -35,21 +34,9 @@ WARMUP_STEPS = 5
 CONFIGS = {"per_chunk": False, "synced": True, "per_chunk_again": False}
 
 
-class _StepTimer(pl.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._start)
-
-
 def _fit(sync_batchnorm: bool, steps: int) -> list[float]:
     pl.seed_everything(0, verbose=False)
-    timer = _StepTimer()
+    timer = StepTimer()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
