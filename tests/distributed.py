@@ -76,6 +76,10 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    if os.environ.get("LIGHTNING_BALANCED_TESTS_PRETEND_GPU"):  # see tests/pretend_gpu.py
+        from tests.pretend_gpu import install
+
+        install()
     try:
         dist.init_process_group(
             "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)

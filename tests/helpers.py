@@ -1,8 +1,9 @@
-"""Test helpers: one skip helper for hardware- and toolchain-dependent tests, and one quiet ``Trainer``."""
+"""Test helpers: one skip helper for hardware- and toolchain-dependent tests, and one quiet CPU ``Trainer``."""
 
 from __future__ import annotations
 
 import shutil
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,11 +23,24 @@ def RunIf(*, min_cuda_gpus: int = 0, nvcc: bool = False, compiled_ops: bool = Fa
 
         if not has_compiled_ops():
             reasons.append("needs the compiled lightning_balanced._C extension")
-    return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "runs here")
+    # `needs_cuda` (ignored by skipif) lets `pytest --cuda-only` (tests/conftest.py) pick the GPU tests.
+    needs_cuda = bool(min_cuda_gpus or nvcc)
+    return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "runs here", needs_cuda=needs_cuda)
+
+
+# Lightning warns "GPU available but not used" for every CPU Trainer on a machine with a GPU. A test that runs on the
+# CPU on purpose expects it: ON_CPU marks the tests that build such a Trainer themselves (e.g. through LightningCLI);
+# quiet_trainer applies the same filter to its own construction.
+GPU_UNUSED_WARNING = r"GPU available but not used\."
+ON_CPU = pytest.mark.filterwarnings(f"ignore:{GPU_UNUSED_WARNING}:UserWarning")
 
 
 def quiet_trainer(strategy: Any = "auto", devices: Any = 1, **kwargs: Any) -> pl.Trainer:
-    """A CPU ``Trainer`` without logger, checkpoints, progress bar or model summary; ``kwargs`` override any of it."""
+    """A CPU ``Trainer`` without logger, checkpoints, progress bar or model summary; ``kwargs`` override any of it.
+
+    With ``accelerator="cpu"`` (the default) Lightning's "GPU available but not used" warning is expected, so it is
+    silenced for the construction of this one Trainer.
+    """
     settings: dict[str, Any] = {
         "accelerator": "cpu",
         "logger": False,
@@ -35,4 +49,7 @@ def quiet_trainer(strategy: Any = "auto", devices: Any = 1, **kwargs: Any) -> pl
         "enable_model_summary": False,
     }
     settings.update(kwargs)
-    return pl.Trainer(strategy=strategy, devices=devices, **settings)
+    with warnings.catch_warnings():
+        if settings["accelerator"] == "cpu":
+            warnings.filterwarnings("ignore", GPU_UNUSED_WARNING, UserWarning)
+        return pl.Trainer(strategy=strategy, devices=devices, **settings)

@@ -17,6 +17,11 @@ from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.cli import LightningBalancedCLI
 from lightning_balanced.plugins import ENTRY_POINT_GROUP
 from tests.fake_distribution import write_distribution
+from tests.helpers import ON_CPU
+
+# These tests build CPU Trainers through LightningCLI: on a machine with a GPU, Lightning's warning that it is not
+# used is expected.
+pytestmark = ON_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))

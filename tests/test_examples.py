@@ -14,6 +14,11 @@ import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 
 from lightning_balanced import BalancedDataParallelStrategy
+from tests.helpers import ON_CPU
+
+# These tests build CPU Trainers through LightningCLI: on a machine with a GPU, Lightning's warning that it is not
+# used is expected.
+pytestmark = ON_CPU
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

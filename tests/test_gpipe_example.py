@@ -15,7 +15,12 @@ from torch import nn
 
 from lightning_balanced import GPipeStrategy
 from lightning_balanced.pipeline import Pipe
+from tests.helpers import ON_CPU
 from tests.test_examples import EXAMPLES, _load_example
+
+# These tests build CPU Trainers through LightningCLI: on a machine with a GPU, Lightning's warning that it is not
+# used is expected.
+pytestmark = ON_CPU
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from lightning_balanced.plugins import ENTRY_POINT_GROUP, StrategyPluginWarning,
 from lightning_balanced.strategies.registration import STRATEGIES, StrategyNameConflict, register_strategy
 from tests.distributed import run_distributed
 from tests.fake_distribution import write_distribution
+from tests.helpers import ON_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,6 +195,7 @@ def _standalone_ddp_rank(rank: int, world_size: int) -> dict[str, Any]:
     return _standalone_fit("ddp_lr_sqrt", world_size, 4)
 
 
+@ON_CPU
 def test_standalone_pytorch_lightning_trains_with_its_own_variants() -> None:
     pytest.importorskip("pytorch_lightning")
     balanced = _standalone_fit("balanced_dp", 2, 8)
@@ -205,6 +207,7 @@ def test_standalone_pytorch_lightning_trains_with_its_own_variants() -> None:
         assert ddp["lrs"] == pytest.approx([0.1 * 2**0.5] * 2, rel=1e-12)  # scaled by sqrt(world_size 2)
 
 
+@ON_CPU
 def test_standalone_balanced_dp_step_equals_the_single_device_step() -> None:
     ptl = pytest.importorskip("pytorch_lightning")
     from lightning_balanced.strategies import standalone

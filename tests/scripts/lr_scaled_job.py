@@ -48,3 +48,6 @@ if __name__ == "__main__":
     if trainer.global_rank == 0:
         with open(sys.argv[1], "w") as file:
             json.dump({"world_size": trainer.world_size, "lr": model.lr_used}, file)
+    # torch 2.13's gloo process group, left for interpreter exit, sometimes aborts the process there ("terminate
+    # called without an active exception"), plain DDPStrategy included; end it while the interpreter is whole.
+    torch.distributed.destroy_process_group()
