@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
@@ -102,3 +103,8 @@ def main(args: list[str] | None = None) -> None:
     exceptions or LightningCLI's own ``SystemExit``. Use :class:`LightningBalancedCLI` directly for the CLI object.
     """
     LightningBalancedCLI(args=args)
+    # A DDP run leaves its default process group for interpreter exit, where torch's gloo backend (2.13 at least)
+    # sometimes aborts the finished job with "terminate called without an active exception"; the command owns the
+    # process, so it ends the group while the interpreter is whole.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
