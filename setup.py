@@ -9,6 +9,11 @@ Build against the installed torch: ``pip install --no-build-isolation -e ".[test
 * ``LIGHTNING_BALANCED_CUDA=0``: CPU kernels only.
 * ``LIGHTNING_BALANCED_NO_EXT=1``: no extension at all; the ops fall back to pure PyTorch (and warn once).
 
+The extension always links the shared libstdc++, the one torch uses, even when the compiler links it statically
+(``-static-libstdc++`` in ``LDFLAGS`` or in its specs): a private copy breaks the C++ streams ``TORCH_CHECK`` formats
+its messages with (truncated messages, or a crash). After linking, the ``.so``'s dynamic section is read; one that
+still needs no ``libstdc++.so`` is deleted and the build fails naming the cause.
+
 The toolkit is ``CUDA_HOME`` (or ``CUDA_PATH``) when set, else the directory of ``nvcc``'s real executable (symlinks
 and wrapper scripts followed, as ``nvcc`` itself reports it), else ``/usr/local/cuda``. torch's own guess, the parent
 of the directory holding ``nvcc`` on the PATH, is wrong when that is a symlink or wrapper outside the toolkit.
@@ -22,10 +27,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from setuptools import setup
 
@@ -181,6 +188,47 @@ def _plan_cuda(mode: str) -> bool:
     return True
 
 
+def needed_libraries(path: Path) -> list[str] | None:
+    """The ``DT_NEEDED`` entries (dynamic dependencies) of an ELF shared object; ``None`` when it is not ELF.
+
+    Read with the standard library (no ``readelf``): the section headers give the ``SHT_DYNAMIC`` section and its
+    string table, whose entries the ``DT_NEEDED`` tags index.
+    """
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF":
+        return None
+    wide, order = data[4] == 2, "<" if data[5] == 1 else ">"
+    header = struct.Struct(order + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH"))
+    shoff, shentsize, shnum = (header.unpack_from(data, 16)[i] for i in (5, 10, 11))
+    section = struct.Struct(order + ("IIQQQQIIQQ" if wide else "IIIIIIIIII"))
+    sections = [section.unpack_from(data, shoff + i * shentsize) for i in range(shnum)]
+    entry = struct.Struct(order + ("qQ" if wide else "iI"))
+    needed = []
+    for _, kind, _, _, offset, size, link, _, _, _ in sections:
+        if kind != 6:  # SHT_DYNAMIC
+            continue
+        strings = sections[link][4]
+        for tag, value in entry.iter_unpack(data[offset : offset + size - size % entry.size]):
+            if tag == 1:  # DT_NEEDED
+                end = data.index(b"\0", strings + value)
+                needed.append(data[strings + value : end].decode())
+    return needed
+
+
+def check_shared_libstdcxx(path: Path) -> None:
+    """Raise ``SystemExit`` (after deleting ``path``) when an ELF ``path`` carries its own static libstdc++."""
+    needed = needed_libraries(path)
+    if needed is None or any(name.startswith("libstdc++.so") for name in needed):
+        return
+    path.unlink()
+    raise SystemExit(
+        f"lightning_balanced: the linked {path.name} needs no libstdc++.so (it needs {', '.join(needed) or 'none'}): the "
+        "compiler linked libstdc++ statically, so the extension would carry a private copy beside torch's, and "
+        "TORCH_CHECK messages would come out truncated or crash the process. Remove -static-libstdc++ from LDFLAGS, "
+        "or build with a compiler that links the shared libstdc++ (e.g. CXX=/usr/bin/g++). The file was deleted."
+    )
+
+
 def _extensions() -> tuple[list, dict]:
     if os.environ.get("LIGHTNING_BALANCED_NO_EXT", "0") == "1":
         _say("building no extension (LIGHTNING_BALANCED_NO_EXT=1); the ops will run a pure-PyTorch fallback")
@@ -200,8 +248,26 @@ def _extensions() -> tuple[list, dict]:
         extra_compile_args["nvcc"] = ["-O3", "--fmad=false", "--threads", "0", "-DLIGHTNING_BALANCED_WITH_CUDA"]
         cxx_flags.append("-DLIGHTNING_BALANCED_WITH_CUDA")
         extension = cpp_extension.CUDAExtension
-    ext = extension("lightning_balanced._C", sources, extra_compile_args=extra_compile_args, py_limited_api=True)
-    return [ext], {"build_ext": cpp_extension.BuildExtension}
+    # An explicit dynamic -lstdc++ before the driver's own: with -static-libstdc++ (in LDFLAGS or the compiler's specs)
+    # the driver appends `-Bstatic -lstdc++ -Bdynamic`, but every libstdc++ symbol is then already resolved from the
+    # shared library, so nothing is taken from the static archive.
+    extra_link_args = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
+    ext = extension(
+        "lightning_balanced._C",
+        sources,
+        extra_compile_args=extra_compile_args,
+        extra_link_args=extra_link_args,
+        py_limited_api=True,
+    )
+
+    class BuildExtension(cpp_extension.BuildExtension):
+        """torch's ``BuildExtension``, then the check that the linked ``.so`` uses the shared libstdc++."""
+
+        def build_extension(self, ext: Any) -> None:
+            super().build_extension(ext)
+            check_shared_libstdcxx(Path(self.get_ext_fullpath(ext.name)))
+
+    return [ext], {"build_ext": BuildExtension}
 
 
 if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its functions without building

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import warnings
 from typing import Any
@@ -33,6 +34,11 @@ def RunIf(*, min_cuda_gpus: int = 0, nvcc: bool = False, compiled_ops: bool = Fa
 # quiet_trainer applies the same filter to its own construction.
 GPU_UNUSED_WARNING = r"GPU available but not used\."
 ON_CPU = pytest.mark.filterwarnings(f"ignore:{GPU_UNUSED_WARNING}:UserWarning")
+
+
+def raises_exactly(error: type[BaseException], message: str) -> Any:
+    """``pytest.raises`` that matches the **whole** message, so a truncated or garbled message fails the test."""
+    return pytest.raises(error, match=f"^{re.escape(message)}$")
 
 
 def quiet_trainer(strategy: Any = "auto", devices: Any = 1, **kwargs: Any) -> pl.Trainer:

@@ -6,6 +6,8 @@ import importlib.util
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -152,3 +154,61 @@ def test_default_architectures_are_torchs_own_that_nvcc_compiles(build: ModuleTy
     assert arch_list[-1].endswith("+PTX")
     expected = [f"{a[3:-1]}.{a[-1]}" for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
     assert [a.removesuffix("+PTX") for a in arch_list] == expected
+
+
+# ---- libstdc++ ---------------------------------------------------------------------------------------------------
+_BAD_INPUT_CHECK = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("lightning_balanced._C", sys.argv[1])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+try:
+    torch.ops.lightning_balanced.nms(torch.zeros(4), torch.zeros(4), 0.5, 0)
+except ValueError as err:
+    print(str(err).splitlines()[0])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("c++") is None, reason="needs Linux and c++")
+@pytest.mark.parametrize("how", ["LDFLAGS", "compiler"])
+def test_a_compiler_that_links_libstdcxx_statically_still_gives_the_shared_one(how: str, tmp_path: Path) -> None:
+    # A GPU machine's g++ linked libstdc++ statically: the extension held a private copy, and TORCH_CHECK messages
+    # came out truncated ("got [") or crashed the process. "compiler" stands for such a g++ (its specs add the flag).
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "FORCE_CUDA", "LIGHTNING_BALANCED_NO_EXT")}
+    env["LIGHTNING_BALANCED_CUDA"] = "0"
+    if how == "LDFLAGS":
+        env["LDFLAGS"] = (env.get("LDFLAGS", "") + " -static-libstdc++").strip()
+    else:
+        compiler = _executable(tmp_path / "bin" / "g++", '#!/bin/sh\nexec c++ "$@" -static-libstdc++\n')
+        env.update(CXX=str(compiler), LDSHARED=f"{compiler} -shared")
+    out = tmp_path / "out"
+    command = [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(out), "--build-temp", str(out / "tmp")]
+    built = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    (so,) = (out / "lightning_balanced").glob("_C*.so")
+    spec = importlib.util.spec_from_file_location("lightning_balanced_setup", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    assert "libstdc++.so.6" in build.needed_libraries(so)
+    checked = subprocess.run([sys.executable, "-c", _BAD_INPUT_CHECK, str(so)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert checked.stdout.strip() == "nms: boxes must have shape (N, 4), got [4]"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None, reason="needs Linux and cc")
+def test_a_shared_object_without_the_shared_libstdcxx_is_deleted_and_named(build: ModuleType, tmp_path: Path) -> None:
+    source = tmp_path / "plain.c"
+    source.write_text("#include <stdio.h>\nvoid hello(void) { puts(\"hello\"); }\n")
+    so = tmp_path / "_C.abi3.so"
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(so)], check=True)
+    assert build.needed_libraries(so) is not None and not any("libstdc++" in n for n in build.needed_libraries(so))
+    with pytest.raises(SystemExit) as info:
+        build.check_shared_libstdcxx(so)
+    assert str(info.value) == (
+        "lightning_balanced: the linked _C.abi3.so needs no libstdc++.so (it needs libc.so.6): the compiler linked "
+        "libstdc++ statically, so the extension would carry a private copy beside torch's, and TORCH_CHECK messages "
+        "would come out truncated or crash the process. Remove -static-libstdc++ from LDFLAGS, or build with a "
+        "compiler that links the shared libstdc++ (e.g. CXX=/usr/bin/g++). The file was deleted."
+    )
+    assert not so.exists()
+    assert build.needed_libraries(ROOT / "setup.py") is None  # not ELF: nothing to check
