@@ -82,10 +82,13 @@ def check_environment(report: Report) -> bool:
     return True
 
 
-def _needed_libraries(path: Path) -> list[str]:
-    """The ``NEEDED`` entries of a shared object (its dynamic dependencies), from ``readelf -d``."""
-    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
-    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+def _needed_libraries(path: Path) -> list[str] | None:
+    """The ``.so``'s dynamic dependencies, read by the build's own check (``setup.needed_libraries``)."""
+    spec = importlib.util.spec_from_file_location("lightning_balanced_setup", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)  # setup() itself runs only as __main__
+    return build.needed_libraries(path)  # type: ignore[no-any-return]
 
 
 def check_extension(report: Report) -> None:
@@ -111,11 +114,9 @@ def check_extension(report: Report) -> None:
             if not registered:
                 report.fail(f"no {key} kernel for {op}; rebuild with a CUDA toolkit (README)")
     if so is not None:
-        try:
-            needed = _needed_libraries(so)
-        except (OSError, subprocess.CalledProcessError) as err:
-            report.say(f"could not read the dynamic section of {so}: {err}")
-            return
+        needed = _needed_libraries(so)
+        if needed is None:
+            return  # not ELF
         report.say(f"links: {', '.join(needed)}")
         if not any(name.startswith("libstdc++.so") for name in needed):
             report.fail(f"{so.name} does not link the shared libstdc++ (a private static copy); rebuild it")
