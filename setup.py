@@ -221,8 +221,9 @@ def check_shared_libstdcxx(path: Path) -> None:
     if needed is None or any(name.startswith("libstdc++.so") for name in needed):
         return
     path.unlink()
+    dependencies = ", ".join(needed) or "none"
     raise SystemExit(
-        f"lightning_balanced: the linked {path.name} needs no libstdc++.so (it needs {', '.join(needed) or 'none'}): the "
+        f"lightning_balanced: the linked {path.name} needs no libstdc++.so (it needs {dependencies}): the "
         "compiler linked libstdc++ statically, so the extension would carry a private copy beside torch's, and "
         "TORCH_CHECK messages would come out truncated or crash the process. Remove -static-libstdc++ from LDFLAGS, "
         "or build with a compiler that links the shared libstdc++ (e.g. CXX=/usr/bin/g++). The file was deleted."

@@ -83,7 +83,9 @@ def batch_moments(input: Tensor, dim: Sequence[int], *, dtype: torch.dtype | Non
     for d in dims:
         count *= input.shape[d]
     count_dtype = torch.float32 if input.device.type == "mps" else torch.float64
-    count_t = torch.tensor(float(count), dtype=count_dtype, device=input.device)
+    # A fill on the device, not torch.tensor(..., device=...): that copies from pageable host memory, which makes the
+    # host wait for every kernel queued before it on a CUDA stream.
+    count_t = torch.full((), float(count), dtype=count_dtype, device=input.device)
     if count == 0:
         zeros = input.sum(dim=dims, dtype=acc_dtype)  # zeros that stay in input's graph
         return Moments(count_t, zeros, zeros)

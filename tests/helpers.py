@@ -36,6 +36,19 @@ GPU_UNUSED_WARNING = r"GPU available but not used\."
 ON_CPU = pytest.mark.filterwarnings(f"ignore:{GPU_UNUSED_WARNING}:UserWarning")
 
 
+# The CUDA devices of a multi-device test: two GPUs, and one GPU used twice (replicas or partitions sharing it, each on
+# its own stream), the form that runs on a one-GPU machine.
+CUDA_DEVICE_LISTS = [
+    pytest.param([torch.device("cuda", 0), torch.device("cuda", 1)], id="two-gpus", marks=RunIf(min_cuda_gpus=2)),
+    pytest.param([torch.device("cuda", 0)] * 2, id="one-gpu-twice", marks=RunIf(min_cuda_gpus=1)),
+]
+
+
+def gpu_ids(devices: list[torch.device]) -> list[int]:
+    """The GPU indices in ``devices``, once each: the Trainer's ``devices=`` for a strategy's ``parallel_devices``."""
+    return sorted({d.index or 0 for d in devices})
+
+
 def raises_exactly(error: type[BaseException], message: str) -> Any:
     """``pytest.raises`` that matches the **whole** message, so a truncated or garbled message fails the test."""
     return pytest.raises(error, match=f"^{re.escape(message)}$")

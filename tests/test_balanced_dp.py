@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_balanced
 from lightning_balanced import BalancedDataParallelStrategy
-from tests.helpers import RunIf, quiet_trainer
+from tests.helpers import CUDA_DEVICE_LISTS, gpu_ids, quiet_trainer
 
 # float64 everywhere the step is compared with a single-device step: the only differences are the summation order of
 # the per-chunk losses and of the gradient contributions, ~1e-16 relative, so 1e-10 has a wide margin yet would catch
@@ -426,23 +426,23 @@ def test_the_strategy_plans_with_the_public_planner(options: dict[str, Any]) -> 
         assert strategy.plan(6) == [1, 2, 3]
 
 
-@RunIf(min_cuda_gpus=2)
-def test_uneven_chunks_match_single_device_step_on_cuda() -> None:
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_uneven_chunks_match_single_device_step_on_cuda(devices: list[torch.device]) -> None:
     dataset = _data(16)
     model = Regressor()
     expected = _single_device_step(model, dataset, batch_size=16)
-    trainer = _trainer(BalancedDataParallelStrategy(chunk_sizes=[3, 13]), devices=2, accelerator="cuda", max_steps=1)
+    strategy = BalancedDataParallelStrategy(chunk_sizes=[3, 13], parallel_devices=devices)
+    trainer = _trainer(strategy, devices=gpu_ids(devices), accelerator="cuda", max_steps=1)
     trainer.fit(model, DataLoader(dataset, batch_size=16))
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value.cpu(), expected[name], **EXACT)
 
 
-@RunIf(min_cuda_gpus=2)
-def test_cuda_mixed_precision_and_memory_report(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_cuda_mixed_precision_and_memory_report(devices: list[torch.device], caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO):
-        trainer = _trainer(
-            BalancedDataParallelStrategy(gpu0_bsz=2), devices=2, accelerator="cuda", max_steps=4, precision="16-mixed"
-        )
+        strategy = BalancedDataParallelStrategy(gpu0_bsz=2, parallel_devices=devices)
+        trainer = _trainer(strategy, devices=gpu_ids(devices), accelerator="cuda", max_steps=4, precision="16-mixed")
         float_data = TensorDataset(*(t.float() for t in _data(32).tensors))
         trainer.fit(Regressor().float(), DataLoader(float_data, batch_size=8))
     assert any("peak GPU memory" in r.getMessage() for r in caplog.records)

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_balanced import BalancedDataParallelStrategy
-from tests.helpers import RunIf, quiet_trainer
+from tests.helpers import CUDA_DEVICE_LISTS, gpu_ids, quiet_trainer
 from tests.test_balanced_dp import EXACT, Regressor, _data, _single_device_step
 
 
@@ -35,7 +35,7 @@ class _DeviceRecorder(Regressor):
         return F.mse_loss(pred, y)
 
 
-def _fit_one_step(strategy: BalancedDataParallelStrategy, devices: int, accelerator: str, batch_size: int) -> None:
+def _fit_one_step(strategy: BalancedDataParallelStrategy, devices: Any, accelerator: str, batch_size: int) -> Any:
     dataset = _data(batch_size)
     model = _DeviceRecorder()
     expected = _single_device_step(model, dataset, batch_size=batch_size)
@@ -92,11 +92,12 @@ class _FailingReplica(Regressor):
         return loss
 
 
-def _fit_failing(manual: bool, accelerator: str, devices: int, chunk_sizes: list[int]) -> None:
+def _fit_failing(
+    manual: bool, accelerator: str, devices: Any, chunk_sizes: list[int], parallel_devices: Any = None
+) -> None:
     model = _FailingReplica(manual)
-    trainer = quiet_trainer(
-        BalancedDataParallelStrategy(chunk_sizes=chunk_sizes), devices, accelerator=accelerator, max_steps=1
-    )
+    strategy = BalancedDataParallelStrategy(chunk_sizes=chunk_sizes, parallel_devices=parallel_devices)
+    trainer = quiet_trainer(strategy, devices, accelerator=accelerator, max_steps=1)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(StepFailure) as info:
         trainer.fit(model, DataLoader(_data(sum(chunk_sizes)), batch_size=sum(chunk_sizes)))
@@ -116,16 +117,19 @@ def test_a_failing_replica_surfaces_its_own_exception(manual: bool) -> None:
 # --- the same on GPUs -------------------------------------------------------------------------------------------------
 
 
-@RunIf(min_cuda_gpus=2)
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
 @pytest.mark.parametrize(
     ("options", "batch_size"), [({"gpu0_bsz": 0}, 8), ({"gpu0_bsz": 2}, 1), ({"chunk_sizes": [0, 5]}, 5)]
 )
-def test_a_plan_that_leaves_device_0_out_runs_on_cuda(options: dict[str, Any], batch_size: int) -> None:
-    model = _fit_one_step(BalancedDataParallelStrategy(**options), 2, "cuda", batch_size)
-    assert [module.index for module, _, _, _ in model.seen] == [1]
+def test_a_plan_that_leaves_device_0_out_runs_on_cuda(
+    options: dict[str, Any], batch_size: int, devices: list[torch.device]
+) -> None:
+    strategy = BalancedDataParallelStrategy(**options, parallel_devices=devices)
+    model = _fit_one_step(strategy, gpu_ids(devices), "cuda", batch_size)
+    assert [module for module, _, _, _ in model.seen] == [devices[1]]  # only replica 1 ran
 
 
-@RunIf(min_cuda_gpus=2)
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
-def test_a_failing_replica_surfaces_its_own_exception_on_cuda(manual: bool) -> None:
-    _fit_failing(manual, "cuda", 2, [4, 2])
+def test_a_failing_replica_surfaces_its_own_exception_on_cuda(manual: bool, devices: list[torch.device]) -> None:
+    _fit_failing(manual, "cuda", gpu_ids(devices), [4, 2], parallel_devices=devices)

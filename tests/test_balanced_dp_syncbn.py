@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import BalancedDataParallelStrategy
-from tests.helpers import RunIf, quiet_trainer
+from tests.helpers import CUDA_DEVICE_LISTS, gpu_ids, quiet_trainer
 
 # float64: the synchronized statistics are combined from per-chunk (count, mean, M2) by Chan's formula instead of one
 # pass over the batch, and the gradients are summed per chunk then across chunks. Those reorderings change float64
@@ -59,7 +59,7 @@ def _data(dim: int, n: int) -> TensorDataset:
     return TensorDataset(x, torch.randn(n, 3, generator=g, dtype=torch.float64))
 
 
-def _fit_two_steps(model: BatchNormNet, strategy: Any, devices: int, batch_size: int, **kwargs: Any) -> BatchNormNet:
+def _fit_two_steps(model: BatchNormNet, strategy: Any, devices: Any, batch_size: int, **kwargs: Any) -> BatchNormNet:
     dataset = _data(model.dim, 2 * batch_size)
     quiet_trainer(strategy, devices, max_steps=2, **kwargs).fit(model, DataLoader(dataset, batch_size=batch_size))
     return model
@@ -163,15 +163,12 @@ def test_a_synchronized_layer_moved_between_steps_stays_synchronized() -> None:
     assert int(got.flat_bn[0].num_batches_tracked) == 2
 
 
-@RunIf(min_cuda_gpus=2)
-def test_synchronized_batchnorm_matches_the_single_device_run_on_cuda() -> None:
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_synchronized_batchnorm_matches_the_single_device_run_on_cuda(devices: list[torch.device]) -> None:
+    # Three replicas (device 0 left out, a chunk of one sample) on the GPUs given, the first one used twice.
     model = BatchNormNet(2, 0.1, True)
     expected = _fit_two_steps(copy.deepcopy(model), "auto", 1, batch_size=7)
-    strategy = BalancedDataParallelStrategy(chunk_sizes=[0, 1, 6], sync_batchnorm=True)
-    got = (
-        _fit_two_steps(model, strategy, 3, batch_size=7, accelerator="cuda") if torch.cuda.device_count() >= 3 else None
-    )
-    if got is None:
-        strategy = BalancedDataParallelStrategy(chunk_sizes=[1, 6], sync_batchnorm=True)
-        got = _fit_two_steps(model, strategy, 2, batch_size=7, accelerator="cuda")
+    replicas = [devices[0], *devices]
+    strategy = BalancedDataParallelStrategy(chunk_sizes=[0, 1, 6], sync_batchnorm=True, parallel_devices=replicas)
+    got = _fit_two_steps(model, strategy, gpu_ids(devices), batch_size=7, accelerator="cuda")
     _assert_equal_runs(got.cpu(), expected)

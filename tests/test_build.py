@@ -198,7 +198,7 @@ def test_a_compiler_that_links_libstdcxx_statically_still_gives_the_shared_one(h
 @pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None, reason="needs Linux and cc")
 def test_a_shared_object_without_the_shared_libstdcxx_is_deleted_and_named(build: ModuleType, tmp_path: Path) -> None:
     source = tmp_path / "plain.c"
-    source.write_text("#include <stdio.h>\nvoid hello(void) { puts(\"hello\"); }\n")
+    source.write_text('#include <stdio.h>\nvoid hello(void) { puts("hello"); }\n')
     so = tmp_path / "_C.abi3.so"
     subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(so)], check=True)
     assert build.needed_libraries(so) is not None and not any("libstdc++" in n for n in build.needed_libraries(so))

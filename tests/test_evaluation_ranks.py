@@ -17,7 +17,7 @@ from lightning_balanced import BalancedDataParallelStrategy
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
 from lightning_balanced.store_all_gather import _exchanges
 from tests.distributed import run_distributed
-from tests.helpers import RunIf, quiet_trainer
+from tests.helpers import CUDA_DEVICE_LISTS, RunIf, gpu_ids, quiet_trainer
 
 
 class Holder(DistributedEvalMixin):
@@ -332,11 +332,12 @@ class DeviceModel(DistributedEvalMixin, pl.LightningModule):
         self.out = self.gather_eval_outputs()
 
 
-@RunIf(min_cuda_gpus=2)
-def test_balanced_dp_on_several_gpus_gathers_on_the_root_device() -> None:
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_balanced_dp_on_several_gpus_gathers_on_the_root_device(devices: list[torch.device]) -> None:
     x = torch.randn(9, 2)
     model = DeviceModel()
-    trainer = quiet_trainer(BalancedDataParallelStrategy(gpu0_bsz=1), 2, accelerator="gpu")
+    strategy = BalancedDataParallelStrategy(gpu0_bsz=1, parallel_devices=devices)
+    trainer = quiet_trainer(strategy, gpu_ids(devices), accelerator="gpu")
     trainer.validate(model, DataLoader(IndexedDataset(TensorDataset(x)), batch_size=4), verbose=False)
     out = model.out
     assert out["y"].device == torch.device("cuda", 0) and out["indices"].tolist() == list(range(9))

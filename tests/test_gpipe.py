@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import GPipeStrategy
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
-from tests.helpers import RunIf, quiet_trainer
+from tests.helpers import CUDA_DEVICE_LISTS, gpu_ids, quiet_trainer
 
 MODES = ["always", "except_last", "never"]
 
@@ -322,9 +322,9 @@ def test_layer_returning_a_non_tensor_fails_the_step_with_a_type_error() -> None
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------------------------
-@RunIf(min_cuda_gpus=2)
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
 @pytest.mark.parametrize("precision", ["64-true", "16-mixed"])
-def test_cuda_partitions_stay_on_their_devices(precision: str) -> None:
+def test_cuda_partitions_stay_on_their_devices(precision: str, devices: list[torch.device]) -> None:
     model = SequentialModel()
     placement: dict[str, Any] = {}
 
@@ -337,22 +337,21 @@ def test_cuda_partitions_stay_on_their_devices(precision: str) -> None:
             }
 
     trainer = quiet_trainer(
-        strategy=GPipeStrategy(balance=[3, 3], chunks=3),
+        strategy=GPipeStrategy(balance=[3, 3], chunks=3, parallel_devices=devices),
         accelerator="cuda",
-        devices=2,
+        devices=gpu_ids(devices),
         precision=precision,
         max_steps=2,
         callbacks=[Inspect()],
     )
     trainer.fit(model, data(dtype=torch.float32 if precision == "16-mixed" else torch.float64))
-    assert placement["sequential_module.0.weight"] == torch.device("cuda:0")
-    assert placement["sequential_module.5.weight"] == torch.device("cuda:1")
+    assert placement["sequential_module.0.weight"] == devices[0]
+    assert placement["sequential_module.5.weight"] == devices[1]
     assert placement["scale"] == torch.device("cuda:0") and placement["states"] == {True}
 
 
-@RunIf(min_cuda_gpus=2)
-def test_cuda_memory_balance() -> None:
-    trainer = quiet_trainer(
-        strategy=GPipeStrategy(balance="memory", chunks=2), accelerator="cuda", devices=2, max_steps=1
-    )
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_cuda_memory_balance(devices: list[torch.device]) -> None:
+    strategy = GPipeStrategy(balance="memory", chunks=2, parallel_devices=devices)
+    trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=gpu_ids(devices), max_steps=1)
     trainer.fit(SequentialModel(), data(dtype=torch.float32))

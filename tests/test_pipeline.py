@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe, clock_cycles, plan_micro_batches, split_costs
 from lightning_balanced.pipeline.balance import balance_by_parameters, layer_times
-from tests.helpers import RunIf
+from tests.helpers import CUDA_DEVICE_LISTS
 
 CPU2 = [torch.device("cpu")] * 2
 CPU3 = [torch.device("cpu")] * 3
@@ -387,10 +387,9 @@ def test_error_in_a_partition_names_it_and_the_pipe_stays_usable() -> None:
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------------------------
-@RunIf(min_cuda_gpus=2)
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_cuda_two_devices_equal_the_unpipelined_model(checkpoint: str) -> None:
-    devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+def test_cuda_two_devices_equal_the_unpipelined_model(checkpoint: str, devices: list[torch.device]) -> None:
     torch.manual_seed(1)
     batches = [(torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)) for _ in range(2)]
     reference = sgd_steps(mlp().cuda(0), [(x.cuda(0), y.cuda(0)) for x, y in batches])
@@ -402,9 +401,8 @@ def test_cuda_two_devices_equal_the_unpipelined_model(checkpoint: str) -> None:
         torch.testing.assert_close(pipelined[1][key].cuda(0), reference[1][key], rtol=0, atol=1e-10)
 
 
-@RunIf(min_cuda_gpus=2)
-def test_cuda_dropout_recompute_and_deferred_batchnorm() -> None:
-    devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_cuda_dropout_recompute_and_deferred_batchnorm(devices: list[torch.device]) -> None:
     grads = {}
     for checkpoint in ["always", "never"]:
         model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2)).double()

@@ -31,7 +31,7 @@ from lightning_balanced.parallel.sync_batchnorm import (
     convert_replica_batchnorm,
     revert_replica_batchnorm,
 )
-from tests.helpers import RunIf
+from tests.helpers import CUDA_DEVICE_LISTS
 
 _CPU = torch.device("cpu")
 _TOL = {"rtol": 1e-10, "atol": 1e-10}
@@ -202,11 +202,10 @@ def test_replicas_on_uneven_chunks_match_full_batch_batchnorm(case: Case) -> Non
     assert not restored[1].training
 
 
-@RunIf(min_cuda_gpus=2)
-def test_replicas_on_two_gpus_match_full_batch_batchnorm() -> None:
-    # The statistics cross devices inside autograd (Tensor.to); backward runs in the engine's per-device threads.
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_replicas_on_two_gpus_match_full_batch_batchnorm(devices: list[torch.device]) -> None:
+    # The statistics cross devices (or streams of one GPU) inside autograd; backward runs in the engine's threads.
     case = Case("2d", (3, 1), momentum=None)
-    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
     reference_model = _model(case)
     model = convert_replica_batchnorm(copy.deepcopy(reference_model)).to(devices[0])
     reference_model.to(devices[0])

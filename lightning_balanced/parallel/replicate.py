@@ -114,6 +114,20 @@ def _replicate_on_host(
     return [replica_modules[0] for replica_modules in copies]
 
 
+def _own_buffers(replica: Module) -> None:
+    """Give a replica that shares ``devices[0]`` with the source copies of the source's buffers.
+
+    torch's broadcast hands the source device its own tensors back, so a second replica on that device would alias
+    the network's buffers: its in-place updates (BatchNorm running statistics) would reach the network too, racing
+    replica 0's. With copies, only replica 0's updates persist, as with one replica per GPU.
+    """
+    copies: dict[int, Tensor] = {}
+    for module in replica.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = copies.setdefault(id(buffer), buffer.clone())
+
+
 def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool = False) -> list[ModuleT]:
     """Make one replica of ``network`` per device for a single forward pass.
 
@@ -124,8 +138,9 @@ def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool
     Args:
         network (Module): the module, on ``devices[0]``.
         devices (Sequence[torch.device]): one device per replica, the module's own first. On CUDA this is
-            ``torch.nn.parallel.replicate``; otherwise every replica stays in host memory and the broadcast is
-            emulated, each replica's tensors carrying the identity of its virtual device (``cpu:i``, see
+            ``torch.nn.parallel.replicate`` (a GPU may repeat: replicas on ``devices[0]`` after the first get copies
+            of the buffers, as replicas on other GPUs do); otherwise every replica stays in host memory and the
+            broadcast is emulated, each replica's tensors carrying the identity of its virtual device (``cpu:i``, see
             :mod:`~lightning_balanced.parallel.virtual_device`).
         detach (bool): replicas do not take part in autograd (for evaluation under ``torch.no_grad``).
 
@@ -146,7 +161,11 @@ def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool
     if any(_compiled_kind(module) is not None for module in modules):
         check_replicable(network)
     if devices[0].type == "cuda":
-        return cuda_replicate(network, list(devices), detach=detach)
+        replicas = cuda_replicate(network, list(devices), detach=detach)
+        for replica, device in zip(replicas[1:], devices[1:], strict=True):
+            if device == devices[0]:
+                _own_buffers(replica)
+        return replicas
     # Each tensor once (dict keys: tensors hash by identity), as network.parameters() and network.buffers() give them.
     parameters = list(dict.fromkeys(p for module in modules for p in module._parameters.values() if p is not None))
     buffers = list(dict.fromkeys(b for module in modules for b in module._buffers.values() if b is not None))

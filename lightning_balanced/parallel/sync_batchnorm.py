@@ -39,6 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_balanced.batchnorm_conversion import convert_batchnorm, revert_batchnorm
 from lightning_balanced.batchnorm_moments import Moments, batch_moments, check_batchnorm_input, combine_moments
+from lightning_balanced.parallel.stream_order import Ready, ready, use_on_current_stream
 
 __all__ = [
     "ReplicaSyncBatchNorm",
@@ -268,7 +269,11 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         local = batch_moments(x, dims, dtype=stats_dtype)
         count = input.numel() // input.shape[1] if input.shape[1] else 0
         origin = self._sync_origin if self._sync_origin is not None else self
-        mean, var = step.exchange(self._replica_index, origin, (count, local), self._combine)
+        # On CUDA each replica computes on its own stream: the combiner waits (on the GPU) for the event recorded after
+        # this replica's moments, and this replica waits for the one recorded after the combination.
+        contribution = (count, local, ready(input.device))
+        mean, var, combined = step.exchange(self._replica_index, origin, contribution, self._combine)
+        use_on_current_stream(combined, mean.device, (mean, var))
         mean = mean.to(device=input.device, dtype=compute_dtype)
         var = var.to(device=input.device, dtype=compute_dtype)
         shape = (1, -1, *([1] * (input.dim() - 2)))
@@ -282,9 +287,13 @@ class ReplicaSyncBatchNorm(_BatchNorm):
             output = centered * scale.view(shape)
         return output.to(input.dtype)
 
-    def _combine(self, contributions: list[tuple[int, Moments]]) -> tuple[Tensor, Tensor]:
-        """Run once per meeting (by the last replica to arrive): the combined mean and biased variance."""
-        total_count = sum(count for count, _ in contributions)
+    def _combine(self, contributions: list[tuple[int, Moments, Ready]]) -> tuple[Tensor, Tensor, Ready]:
+        """Run once per meeting (by the last replica to arrive): the combined mean and biased variance.
+
+        On the first replica's device, after waiting (on the GPU, not the host) for each replica's moments; returns
+        with them an event that marks the combination done.
+        """
+        total_count = sum(count for count, _, _ in contributions)
         if total_count <= 1:
             step = self._sync_step
             sizes = step.chunk_sizes if step is not None else []
@@ -292,17 +301,19 @@ class ReplicaSyncBatchNorm(_BatchNorm):
                 f"Expected more than 1 value per channel when training, got {total_count} over all replicas "
                 f"(chunk sizes {sizes})"
             )
+        for _, moments, made in contributions:
+            use_on_current_stream(made, moments.mean.device, moments)
         device = contributions[0][1].mean.device
-        counts = torch.tensor([float(count) for count, _ in contributions], dtype=contributions[0][1].mean.dtype)
+        dtype = contributions[0][1].mean.dtype
         total = combine_moments(
-            counts.to(device),
-            torch.stack([m.mean.to(device) for _, m in contributions]),
-            torch.stack([m.m2.to(device) for _, m in contributions]),
+            torch.stack([m.count.to(device=device, dtype=dtype) for _, m, _ in contributions]),
+            torch.stack([m.mean.to(device) for _, m, _ in contributions]),
+            torch.stack([m.m2.to(device) for _, m, _ in contributions]),
         )
         var = total.m2 / total_count
         if self.training and self.track_running_stats:
             self._update_running_stats(total.mean.detach(), total.m2.detach() / (total_count - 1))
-        return total.mean, var
+        return total.mean, var, ready(device)
 
     def _update_running_stats(self, mean: Tensor, unbiased_var: Tensor) -> None:
         """Once per step, on the original layer's buffers: torch's ``_BatchNorm`` update rule."""

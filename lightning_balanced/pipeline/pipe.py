@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_balanced.parallel import infer_batch_size
+from lightning_balanced.parallel.stream_order import record_on
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.checkpoint import Checkpointing
 from lightning_balanced.pipeline.dependency import depend
@@ -99,7 +100,8 @@ class Pipe(nn.Sequential):
         balance (Sequence[int] | Balancer): layers per partition, in order; or a function that chooses it on the first
             forward pass from ``(pipe, first micro-batch)``.
         devices (Sequence[torch.device]): one per partition (the first ``len(balance)`` are used); equal devices are
-            allowed (the CPU path: partitions on CPU threads).
+            allowed: CPU partitions run on threads, and partitions that share a GPU each compute on a stream of their
+            own (a pipeline on one GPU, as torchgpipe allows).
         chunks (int): the number of micro-batches per forward pass.
         checkpoint (str): ``"always"``, ``"except_last"`` (all micro-batches but the last) or ``"never"``.
         module_name (str): how errors name the Sequential.
@@ -215,6 +217,9 @@ class Pipe(nn.Sequential):
         modes = ThreadModes.capture(self.devices[0].type)
         stochastic = [p.draws_random_numbers() for p in self.partitions]
         step_seed = draw_step_seed() if any(stochastic) else None
+        # The stream that made each micro-batch (CUDA): this thread's for the input, then its last partition's.
+        first = torch.cuda.current_stream(self.devices[0]) if self.devices[0].type == "cuda" else None
+        producers: list[torch.cuda.Stream | None] = [first] * m
 
         for schedule in clock_cycles(m, n):
             for i, _ in schedule:
@@ -223,11 +228,19 @@ class Pipe(nn.Sequential):
             tasks = []
             for i, j in schedule:
                 seed = task_seed(step_seed, i, j) if step_seed is not None and stochastic[j] else None
-                task = _Task(self.partitions[j], batches[i], modes, seed, i < checkpoint_stop, self._copy_streams)
+                checkpoint = i < checkpoint_stop
+                task = _Task(self.partitions[j], batches[i], modes, seed, checkpoint, self._copy_streams, producers[i])
                 tasks.append((i, j, task))
-            for (i, _), output in zip(schedule, self._workers.run_cycle(tasks), strict=True):
-                batches[i] = output
+            for (i, j), output in zip(schedule, self._workers.run_cycle(tasks), strict=True):
+                batches[i], producers[i] = output, self._workers.streams[j]
 
+        # What follows on this thread (DeferredBatchNorm's commit, the join, the loss) runs on the current streams.
+        for partition_stream, partition in zip(self._workers.streams, self.partitions, strict=True):
+            if partition_stream is not None:
+                torch.cuda.current_stream(partition.device).wait_stream(partition_stream)
+        for batch, producer in zip(batches, producers, strict=True):
+            if producer is not None:
+                record_on(batch, torch.cuda.current_stream(producer.device))
         for layer in deferred:
             layer.commit()
         return join(batches, sizes, self.devices[0])
@@ -244,14 +257,15 @@ class _Task:
         seed: int | None,
         checkpoint: bool,
         copy_streams: CopyStreams,
+        source: torch.cuda.Stream | None,
     ) -> None:
         self.partition, self.value, self.modes = partition, value, modes
-        self.seed, self.checkpoint, self.copy_streams = seed, checkpoint, copy_streams
+        self.seed, self.checkpoint, self.copy_streams, self.source = seed, checkpoint, copy_streams, source
 
     def __call__(self) -> Any:
         device = self.partition.device
         with self.modes.enter():
-            value = copy_to_device(self.value, device, self.copy_streams.get(device))
+            value = copy_to_device(self.value, device, self.copy_streams.get(device), self.source)
             checkpointing = Checkpointing(self.partition, self.modes, self.seed)
             if not self.checkpoint:
                 return checkpointing.run(value)

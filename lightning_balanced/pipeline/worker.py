@@ -14,7 +14,9 @@ __all__ = ["PartitionWorkers"]
 class PartitionWorkers:
     """A dedicated thread for each partition (each of its tasks runs on it, in submission order).
 
-    On CUDA the thread makes its partition's device current. Threads are kept between steps until :meth:`close`.
+    On CUDA the thread makes its partition's device current and computes on the partition's own stream
+    (:attr:`streams`), so partitions that share a GPU still overlap. Threads are kept between steps until
+    :meth:`close`.
     """
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
@@ -22,11 +24,15 @@ class PartitionWorkers:
         self._executors = [
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpipe-partition-{j}") for j in range(len(devices))
         ]
+        # One compute stream per partition (not per device); None off CUDA.
+        self.streams: list[torch.cuda.Stream | None] = [
+            torch.cuda.Stream(device) if device.type == "cuda" else None for device in self.devices
+        ]
 
     def _run(self, partition: int, task: Callable[[], Any]) -> Any:
-        device = self.devices[partition]
-        if device.type == "cuda":
-            with torch.cuda.device(device):
+        device, stream = self.devices[partition], self.streams[partition]
+        if stream is not None:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
                 return task()
         return task()
 

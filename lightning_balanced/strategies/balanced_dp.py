@@ -137,6 +137,7 @@ class BalancedDataParallel(SingleProcess):
         self._devices: list[torch.device] = []
         self._dispatcher: _StepDispatcher | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._streams: list[torch.cuda.Stream] = []
         self._metric_lock = threading.Lock()
         self._metrics: dict[str, Metric] = {}
         self._plan_reported = False
@@ -189,8 +190,10 @@ class BalancedDataParallel(SingleProcess):
         # Found once here; each step follows their paths in the replicas instead of searching the replicas' trees.
         self._batchnorm_layers = SyncBatchNormLayers(self.lightning_module) if self._batchnorm_synced else None
         self._metrics = find_metrics(self.lightning_module)
-        if num_devices > 1 and self.root_device.type != "cuda" and self._executor is None:
+        if num_devices > 1 and self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=num_devices - 1, thread_name_prefix="balanced_dp")
+        # On CUDA, a stream per replica (not per device), so replicas that share a GPU still run side by side.
+        self._streams = [torch.cuda.Stream(d) for d in self._devices] if self.root_device.type == "cuda" else []
 
     @override
     def teardown(self) -> None:
@@ -198,6 +201,7 @@ class BalancedDataParallel(SingleProcess):
             self._executor.shutdown(wait=True)
             self._executor = None
         self._dispatcher = None
+        self._streams = []
         self._batchnorm_layers = None
         if self._batchnorm_synced and self.model is not None:
             self.model = revert_replica_batchnorm(self.model)  # the user's own BatchNorm objects, trained state
@@ -285,7 +289,10 @@ class BalancedDataParallel(SingleProcess):
         ]
         failure: BaseException | None = None
         try:
-            outputs = parallel_apply(replicas, inputs, [k for _, k in scattered], run_devices, executor=self._executor)
+            streams = [self._streams[i] for i in run] if self._streams else None
+            outputs = parallel_apply(
+                replicas, inputs, [k for _, k in scattered], run_devices, executor=self._executor, streams=streams
+            )
         except Exception as wrapped:
             failure = self._replica_error(wrapped, rendezvous, step_name, batch_size, planned, run_devices)
         if failure is not None:
@@ -350,7 +357,9 @@ class BalancedDataParallel(SingleProcess):
         lines = [f"balanced_dp: peak GPU memory after {self._training_steps} training steps (tune gpu0_bsz with it)"]
         for index, device in enumerate(self.parallel_devices):
             peak = torch.cuda.max_memory_allocated(device) / 2**20
-            lines.append(f"  device {index} ({device}): {peak:.0f} MiB")
+            shared = [i for i, d in enumerate(self.parallel_devices) if d == device]
+            together = f" (shared by devices {shared})" if len(shared) > 1 else ""
+            lines.append(f"  device {index} ({device}): {peak:.0f} MiB{together}")
         rank_zero_info("\n".join(lines))
 
     @classmethod
