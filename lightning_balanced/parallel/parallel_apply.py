@@ -40,6 +40,15 @@ def _run_replica(
         return ExceptionWrapper(where=f"in replica {index} on device {device}")
 
 
+def _replica_tensors(replica: Module) -> list[Any]:
+    """A replica's broadcast parameters (plain attributes, kept in ``_former_parameters``) and buffers."""
+    tensors: list[Any] = []
+    for module in replica.modules():
+        tensors += getattr(module, "_former_parameters", {}).values()
+        tensors += module._buffers.values()
+    return tensors
+
+
 def parallel_apply(
     replicas: Sequence[Module],
     inputs: Sequence[Sequence[Any]],
@@ -57,8 +66,9 @@ def parallel_apply(
     with ``devices[i]`` current and on a stream of its own, so several replicas can share one GPU (``devices`` may
     repeat a device) and still overlap: its stream first waits (on the GPU) for the work the caller queued on the
     device's current stream (the scatter, the replication), and when all replicas are done, each device's current
-    stream waits for the replicas' streams, so what follows (the gather, backward) sees their outputs. Inputs and
-    outputs are recorded on the streams that use them (``Tensor.record_stream``). The host never waits for the GPU.
+    stream waits for the replicas' streams, so what follows (the gather, backward) sees their outputs. Inputs, the
+    replicas' broadcast tensors and the outputs are recorded on the streams that use them (``Tensor.record_stream``),
+    so the caching allocator never reuses their memory under a stream still reading it. The host never waits.
 
     Args:
         replicas (Sequence[Module]): one module per device, e.g. from :func:`~lightning_balanced.parallel.replicate`.
@@ -100,10 +110,10 @@ def parallel_apply(
                 f"`streams` must hold one CUDA stream per replica, on its device {[str(d) for d in devices]}, got"
                 f" {[str(s.device) if s is not None else None for s in replica_streams]}"
             )
-        for stream, device, args, kw in zip(replica_streams, devices, inputs, kwargs, strict=True):
+        for stream, device, replica, args, kw in zip(replica_streams, devices, replicas, inputs, kwargs, strict=True):
             assert stream is not None
             stream.wait_stream(torch.cuda.current_stream(device))
-            record_on((args, kw), stream)
+            record_on((args, kw, _replica_tensors(replica)), stream)
 
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
     jobs = list(zip(replicas, inputs, kwargs, devices, replica_streams, strict=True))
