@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_balanced.parallel import gather, parallel_apply, plan_chunk_sizes, replicate, scatter, virtual_devices
+from lightning_balanced.parallel.virtual_device import on_device
 
 CPU = torch.device("cpu")
 
@@ -272,7 +273,7 @@ def test_grad_and_inference_mode_are_carried_into_the_worker_threads(mode: str) 
     model = Recorder()
     devices = _devices(3)
     replicas = replicate(model, devices, detach=mode != "grad")
-    inputs = [(torch.randn(2, 2),) for _ in devices]
+    inputs = [(on_device(torch.randn(2, 2), device),) for device in devices]
     context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}[mode]
     with context():
         expected = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
@@ -291,7 +292,7 @@ def test_a_failing_replica_is_re_raised_after_all_finish_as_cuda_parallel_apply_
     model = Recorder()
     devices = _devices(3)
     replicas = replicate(model, devices)
-    inputs = [(torch.randn(2, 2),) for _ in devices]
+    inputs = [(on_device(torch.randn(2, 2), device),) for device in devices]
     # The healthy replicas are slow, so a failure raised before they finish would leave them out of `calls`.
     kwargs = [{"fail": i == failing, "delay": 0.0 if i == failing else 0.05} for i in range(3)]
     with pytest.raises(KeyError) as info:
@@ -374,10 +375,11 @@ def test_outputs_come_back_in_replica_order_with_a_reused_executor() -> None:
     model = _mlp()
     devices = _devices(4)
     inputs = [(torch.full((i + 1, 5), float(i), dtype=torch.float64),) for i in range(4)]
+    on_devices = [(on_device(x, device),) for (x,), device in zip(inputs, devices, strict=True)]
     with ThreadPoolExecutor(max_workers=3) as executor:
         for _ in range(2):
             outputs = parallel_apply(
-                replicate(model, devices, detach=True), inputs, [{}] * 4, devices, executor=executor
+                replicate(model, devices, detach=True), on_devices, [{}] * 4, devices, executor=executor
             )
             for output, (x,) in zip(outputs, inputs, strict=True):
                 torch.testing.assert_close(output.cpu(), model(x), **EXACT)

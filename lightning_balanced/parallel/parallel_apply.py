@@ -12,6 +12,7 @@ from torch._utils import ExceptionWrapper
 from torch.nn import Module
 
 from lightning_balanced.parallel.stream_order import record_on
+from lightning_balanced.parallel.virtual_device import VirtualDeviceMode
 
 __all__ = ["parallel_apply"]
 
@@ -33,6 +34,8 @@ def _run_replica(
             if stream is not None:  # CUDA: the replica's device and stream are current in this thread
                 contexts.enter_context(torch.cuda.device(device))
                 contexts.enter_context(torch.cuda.stream(stream))
+            elif device.type == "cpu" and device.index is not None:  # a virtual device: CUDA's rule, every tensor
+                contexts.enter_context(VirtualDeviceMode(device.index))
             contexts.enter_context(torch.inference_mode(inference_mode))
             contexts.enter_context(torch.set_grad_enabled(grad_enabled))
             return module(*args, **kwargs)

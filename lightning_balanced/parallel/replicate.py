@@ -73,15 +73,18 @@ def _check_on_first_device(tensors: Iterable[Tensor], device: torch.device) -> N
 def _host_copies(tensor: Tensor, devices: Sequence[torch.device], *, detach: bool, is_buffer: bool) -> list[Tensor]:
     """What ``Broadcast`` gives each replica, emulated in host memory.
 
-    Tensors that take part in autograd become views (gradients flow back to the original leaf, as through torch's
-    ``Broadcast``). Other parameters are aliased: nothing updates them in place during a forward. Other buffers alias
-    the original for replica 0 and are cloned for the rest, so in-place updates (BatchNorm running statistics)
-    persist from replica 0 only, exactly as on CUDA. Each copy carries its replica's virtual device.
+    Replica 0 aliases the original tensor (a view when it takes part in autograd); the other replicas get copies, which
+    pass gradients back to the original as torch's ``Broadcast`` does. So in-place updates (BatchNorm running
+    statistics, a write to a parameter) persist from replica 0 only, exactly as on CUDA. Each copy carries its
+    replica's virtual device.
     """
     if tensor.requires_grad and not detach:
-        return [on_device(tensor.view_as(tensor), device) for device in devices]
+        # Replica 0 aliases the leaf (torch's broadcast hands the source device its own tensor back); the others get
+        # copies whose gradients flow back to it, as Broadcast's do, so an in-place write reaches the leaf from
+        # replica 0 only, as on GPUs.
+        return [on_device(tensor.view_as(tensor) if i == 0 else tensor.clone(), d) for i, d in enumerate(devices)]
     base = tensor.detach()
-    return [on_device(base.clone() if (is_buffer and i > 0) else base, device) for i, device in enumerate(devices)]
+    return [on_device(base if i == 0 else base.clone(), device) for i, device in enumerate(devices)]
 
 
 def _replicate_on_host(
@@ -111,7 +114,20 @@ def _replicate_on_host(
                     replica._former_parameters[key] = params[param][j]
             for key, buffer in module._buffers.items():
                 replica._buffers[key] = None if buffer is None else buffer_copies[buffer][j]
+            if "_device" in replica.__dict__:
+                replica.__dict__["_device"] = devices[j]
     return [replica_modules[0] for replica_modules in copies]
+
+
+def _unregister_parameters(module: Module) -> None:
+    """Keep a replica's parameters as plain attributes, as everywhere else: ``self.parameters()`` is empty in replicas.
+
+    With ``detach=True`` torch's replicate hands replica 0 the network's own ``Parameter`` objects, which
+    ``setattr`` registers again; the replica gets detached aliases instead (in-place writes still reach the network).
+    """
+    for key, param in list(module._parameters.items()):
+        del module._parameters[key]
+        module.__dict__[key] = None if param is None else param.detach()
 
 
 def _own_buffers(replica: Module) -> None:
@@ -132,6 +148,9 @@ def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool
     """Make one replica of ``network`` per device for a single forward pass.
 
     Replicas share the parameters through autograd: gradients of every replica accumulate into ``network``'s leaves.
+    Every module of a replica that records its device (Lightning's ``DeviceDtypeModuleMixin``: LightningModules, nested
+    ones included, and torchmetrics metrics) reports the replica's device, as Lightning 1.9's
+    ``update_replica_device_attributes`` did.
     Buffers are copied; only replica 0's in-place buffer updates (BatchNorm running statistics) reach ``network``, as
     with ``torch.nn.DataParallel``. ``network`` itself is never modified.
 
@@ -162,8 +181,13 @@ def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool
         check_replicable(network)
     if devices[0].type == "cuda":
         replicas = cuda_replicate(network, list(devices), detach=detach)
-        for replica, device in zip(replicas[1:], devices[1:], strict=True):
-            if device == devices[0]:
+        for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
+            for module in replica.modules():
+                if "_device" in module.__dict__:
+                    module.__dict__["_device"] = device
+                if index == 0 and detach:
+                    _unregister_parameters(module)
+            if index > 0 and device == devices[0]:
                 _own_buffers(replica)
         return replicas
     # Each tensor once (dict keys: tensors hash by identity), as network.parameters() and network.buffers() give them.

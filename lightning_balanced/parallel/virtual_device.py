@@ -1,20 +1,26 @@
 """Device identity for the CPU emulation: virtual devices ``cpu:0``, ``cpu:1``, ... that share the host's memory.
 
 torch's CUDA data-parallel ops enforce rules that a single CPU device cannot break on its own: ``replicate`` requires
-the module on ``devices[0]``, each replica's outputs live on the replica's GPU, and ``torch.cat`` refuses tensors on
-different GPUs. So that a step which would break those rules on GPUs also breaks in CI on CPU, the emulation gives
-every tensor it hands to replica ``i`` (its chunk of the batch, its parameters and buffers) the identity
-``cpu:i``. Identity is carried by a tensor subclass that propagates it through every torch operation:
+the module on ``devices[0]``, each replica's outputs live on the replica's GPU, and an operation refuses tensors on
+two devices. So that a step which would break those rules on GPUs also breaks in CI on CPU, the emulation gives the
+tensors of replica ``i`` the identity ``cpu:i``, carried by a tensor subclass (:class:`VirtualDeviceTensor`) that
+propagates it through every torch operation, and :class:`VirtualDeviceMode`, active in replica ``i``'s thread, applies
+CUDA's rule to every tensor there, as it would hold on GPU ``i``:
 
-* an operation on tensors of two different virtual devices raises the ``RuntimeError`` torch raises for two GPUs
-  ("Expected all tensors to be on the same device, but found at least two devices, cpu:0 and cpu:1!");
+* the root is virtual device 0: a plain (untagged) tensor is the root's (its parameters, its attributes, the
+  batch before the scatter, the gathered outputs), and ``x.to(y)`` with such a ``y`` moves ``x`` to ``cpu:0``;
+* a tensor made or moved inside the step with ``device=cpu:j`` (``self.device``, ``x.device``) belongs to
+  ``cpu:j``; one made without a device (``torch.ones(3)``, ``torch.tensor([1.0])``) or moved with ``.cpu()`` or
+  ``.to("cpu")`` is a host tensor, ``cpu``, as it would be next to GPUs;
+* an operation on tensors of two devices raises the ``RuntimeError`` torch raises for two GPUs ("Expected all
+  tensors to be on the same device, but found at least two devices, cpu:0 and cpu:1!"); host tensors and the root's
+  tensors count, except 0-dim ones, which combine with any device as 0-dim CPU tensors do on CUDA (the target of an
+  in-place operation always counts: ``self.total += loss`` writes into the root's tensor);
 * ``tensor.device`` is the virtual device, so ``torch.zeros(n, device=x.device)`` and ``x.to(y.device)`` work as on
-  GPUs;
-* ``.to("cpu:j")`` moves a tensor to virtual device ``j``; ``.to("cpu")`` and ``.cpu()`` return a plain tensor.
+  GPUs; ``.to("cpu:j")`` moves a tensor to virtual device ``j``; ``copy_`` copies between any devices, as on GPUs.
 
-A plain tensor has no identity: it may be combined with a tensor of any virtual device (tensors a replica makes with
-factory functions are plain). Plain tensors stand for the root device when a module's place is checked.
-Devices without an index (``torch.device("cpu")``) have no identity either, and nothing is checked for them.
+Outside a replica (no mode), tagged tensors of two virtual devices still refuse to combine, and plain tensors combine
+with anything. Devices without an index (``torch.device("cpu")``) have no identity, and nothing is checked for them.
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["VirtualDeviceTensor", "device_of", "on_device", "virtual_devices"]
+__all__ = ["HOST", "VirtualDeviceMode", "VirtualDeviceTensor", "device_of", "on_device", "virtual_devices"]
+
+HOST = -1
+"""The index that tags a host tensor made inside a replica (shown as ``cpu``)."""
 
 
 def virtual_devices(devices: Sequence[torch.device]) -> list[torch.device]:
@@ -41,25 +51,48 @@ def _index_of(value: object) -> int | None:
     return value._virtual_index if isinstance(value, VirtualDeviceTensor) else None
 
 
+def _name(index: int) -> str:
+    return "cpu" if index == HOST else f"cpu:{index}"
+
+
+def _two_devices(first: int, second: int) -> RuntimeError:
+    low, high = sorted((first, second))
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {_name(low)} and"
+        f" {_name(high)}! (balanced_dp's CPU emulation: replica i runs on virtual device cpu:i, the root is cpu:0 and"
+        " tensors made without a device are host tensors, cpu; this would fail on GPUs too. Move tensors to one"
+        " device, e.g. `self.device`, before combining them)"
+    )
+
+
+def _tensor_args(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors among the arguments, one level of lists and tuples looked into."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [item for item in value if isinstance(item, Tensor)]
+    return found
+
+
 def _common_index(args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
     """The one virtual device of the tagged tensors among the arguments (one level of lists looked into)."""
     found: int | None = None
-    for value in (*args, *kwargs.values()):
-        items = value if isinstance(value, (list, tuple)) else (value,)
-        for item in items:
-            index = _index_of(item)
-            if index is None:
-                continue
-            if found is None:
-                found = index
-            elif index != found:
-                low, high = sorted((found, index))
-                raise RuntimeError(
-                    "Expected all tensors to be on the same device, but found at least two devices,"
-                    f" cpu:{low} and cpu:{high}! (balanced_dp's CPU emulation models each replica as its own device;"
-                    " move tensors to one device, e.g. the root device, before combining them)"
-                )
+    for tensor in _tensor_args(args, kwargs):
+        index = _index_of(tensor)
+        if index is None or (index == HOST and _dim(tensor) == 0):
+            continue  # a plain tensor, or a 0-dim host tensor, which combines with any device
+        if found is None:
+            found = index
+        elif index != found:
+            raise _two_devices(found, index)
     return found
+
+
+def _dim(tensor: Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        return tensor.dim()
 
 
 def _target_index(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[bool, int | None]:
@@ -106,7 +139,8 @@ class VirtualDeviceTensor(Tensor):
         """Check that the tagged arguments share one virtual device, run ``func`` on plain tensors, tag the result."""
         kwargs = kwargs or {}
         if func == _DEVICE_GETTER:
-            return torch.device("cpu", args[0]._virtual_index)
+            index = args[0]._virtual_index
+            return torch.device("cpu") if index == HOST else torch.device("cpu", index)
         index = _common_index(args, kwargs)
         if func is Tensor.to:
             named, target = _target_index(args, kwargs)
@@ -119,6 +153,83 @@ class VirtualDeviceTensor(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         return _tag(result, index)
+
+
+# Functions whose tensors may sit on different devices on CUDA too.
+_ANY_DEVICES: frozenset[Callable[..., Any]] = frozenset({Tensor.to, Tensor.cpu, Tensor.copy_, Tensor.__deepcopy__})
+
+
+def _is_in_place(func: Callable[..., Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+def _device_index(device: Any) -> int | None:
+    """``HOST`` for the host (``"cpu"``, or no device), ``j`` for ``cpu:j``; ``None`` for any other device."""
+    if device is None:
+        return HOST
+    device = torch.device(device)
+    if device.type != "cpu":
+        return None
+    return HOST if device.index is None else device.index
+
+
+class VirtualDeviceMode(TorchFunctionMode):
+    """CUDA's device rule for every tensor in replica ``index``'s thread (see the module docstring).
+
+    Args:
+        index (int): the replica's virtual device, ``cpu:index``.
+    """
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Refuse tensors of two devices; tag what the replica makes or moves with the device it names."""
+        kwargs = kwargs or {}
+        tensors = _tensor_args(args, kwargs)
+        if len(tensors) > 1 and func not in _ANY_DEVICES:
+            self._check(func, tensors)
+        result = func(*args, **kwargs)
+        if not isinstance(result, Tensor):
+            return result
+        if not tensors:  # a factory: torch.ones(...), torch.tensor(...), torch.arange(...)
+            index = _device_index(kwargs.get("device"))
+            return result if index is None else _tag(result, index)
+        if func is Tensor.cpu:
+            return _tag(result, HOST)
+        if func is Tensor.to:
+            other = args[1] if len(args) > 1 else kwargs.get("other")
+            if isinstance(other, Tensor):  # x.to(y): y's device; a plain y is the root's
+                index = _index_of(other)
+                return _tag(result, 0 if index is None else index)
+            named, target = _target_index(args, kwargs)
+            if named:
+                return _tag(result, HOST if target is None else target)
+        return result
+
+    @staticmethod
+    def _check(func: Callable[..., Any], tensors: list[Tensor]) -> None:
+        """Raise when the tensors that count (see the module docstring) are on two devices."""
+        found: int | None = None
+        in_place = _is_in_place(func)
+        with torch._C.DisableTorchFunction():
+            for position, tensor in enumerate(tensors):
+                tagged = _index_of(tensor)
+                if tagged in (None, HOST) and tensor.dim() == 0 and not (in_place and position == 0):
+                    continue  # a 0-dim host tensor (or plain: maybe one) combines with any device
+                index = 0 if tagged is None else tagged  # a plain tensor is the root's, on cpu:0
+                if found is None:
+                    found = index
+                elif index != found:
+                    raise _two_devices(found, index)
 
 
 def on_device(tensor: Tensor, device: torch.device) -> Tensor:

@@ -274,9 +274,8 @@ class BalancedDataParallel(SingleProcess):
         recorders = [ReplicaLogRecorder() for _ in replicas]
         rendezvous = Rendezvous(len(replicas), _RENDEZVOUS_TIMEOUT_S)
         manual = step_name == "training_step" and not module.automatic_optimization
-        for i, (replica, device) in enumerate(zip(replicas, run_devices, strict=True)):
+        for i, replica in enumerate(replicas):
             replica_module = replica.module
-            replica_module._device = device
             replica_module.log = recorders[i].log  # type: ignore[method-assign]
             share_metrics(replica_module, self._metrics, self._metric_lock)
             if manual:
