@@ -477,3 +477,27 @@ def test_manual_optimization_never_hangs_when_replicas_diverge(failure: str, mon
     if failure == "raise":  # released at once, with the failing replica's error as the cause
         error = info.value if isinstance(info.value, KeyError) else info.value.__cause__
         assert isinstance(error, KeyError)
+
+
+class _NormalizesOnTheDevice(Regressor):
+    """GPU augmentation in Lightning's batch hook: the batch must already be on the root device there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.full((5,), 0.5, dtype=torch.float64))
+        self.hook_devices: list[torch.device] = []
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        self.hook_devices.append(x.device)
+        return x - self.mean, y
+
+
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_batch_hooks_see_the_batch_on_the_root_device_on_cuda(devices: list[torch.device]) -> None:
+    model = _NormalizesOnTheDevice()
+    strategy = BalancedDataParallelStrategy(chunk_sizes=[3, 5], parallel_devices=devices)
+    _trainer(strategy, devices=gpu_ids(devices), accelerator="cuda", max_steps=2).fit(
+        model, DataLoader(_data(16), batch_size=8)
+    )
+    assert model.hook_devices == [devices[0]] * 2

@@ -163,13 +163,6 @@ class BalancedDataParallel(SingleProcess):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """On CUDA the batch stays in host memory and each chunk is copied straight to its GPU by the scatter."""
-        if self.root_device.type == "cuda":
-            device = torch.device("cpu")
-        return super().batch_to_device(batch, device=device, dataloader_idx=dataloader_idx)
-
     # ---- setup and teardown ----------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
