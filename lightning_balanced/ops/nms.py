@@ -43,7 +43,7 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, offset: int = 0) ->
     The compiled operator makes the tensor checks, so they raise the same errors in eager mode and under
     ``torch.compile(fullgraph=True)`` (when the compiled graph runs). Only the Python type checks (an argument that
     is not a tensor or a number) run while tracing, where ``torch._dynamo`` reports them as ``Unsupported``
-    ("Observed exception") with our ``TypeError`` as the cause.
+    ("Observed exception"), with our ``TypeError`` as the cause from torch 2.10 on.
 
     Differences from ``torchvision.ops.nms`` (0.29; tested in ``tests/test_nms_torchvision.py``): none on float
     inputs except when an IoU equals ``iou_threshold`` exactly. torchvision divides in float32 and compares the
