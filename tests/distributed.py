@@ -86,16 +86,20 @@ def _worker(
         )
         try:
             message = ("ok", fn(rank, world_size, *args))
-        finally:
-            dist.destroy_process_group()
+        except BaseException:
+            message = ("error", traceback.format_exc())
     except BaseException:
         message = ("error", traceback.format_exc())
     try:
         payload = pickle.dumps(message)
     except Exception:
         payload = pickle.dumps(("error", "the result of fn could not be pickled:\n" + traceback.format_exc()))
+    # The result goes out before the teardown: torch 2.4's gloo can hang in destroy_process_group when the ranks tear
+    # down together; run_distributed then kills a rank left there after a few seconds instead of reporting a hang.
     conn.send_bytes(payload)
     conn.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120) -> list[Any]:

@@ -259,6 +259,8 @@ def _torchmetrics_map(
     torchmetrics' own code; without, torchmetrics runs with the real torchvision."""
     from torchmetrics.detection import mean_ap
 
+    # Its "torchvision is usable" flag: _TORCHVISION_GREATER_EQUAL_0_8 in torchmetrics 1.4, then _TORCHVISION_AVAILABLE.
+    flag = "_TORCHVISION_AVAILABLE" if hasattr(mean_ap, "_TORCHVISION_AVAILABLE") else "_TORCHVISION_GREATER_EQUAL_0_8"
     if monkeypatch is not None:
         stub = types.ModuleType("torchvision")
         ops = types.ModuleType("torchvision.ops")
@@ -272,9 +274,9 @@ def _torchmetrics_map(
         stub.ops = ops  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "torchvision", stub)
         monkeypatch.setitem(sys.modules, "torchvision.ops", ops)
-        monkeypatch.setattr(mean_ap, "_TORCHVISION_AVAILABLE", True)
+        monkeypatch.setattr(mean_ap, flag, True)
     else:
-        assert mean_ap._TORCHVISION_AVAILABLE and "box_convert" in dir(sys.modules["torchvision.ops"])
+        assert getattr(mean_ap, flag) and "box_convert" in dir(sys.modules["torchvision.ops"])
     metric = mean_ap.MeanAveragePrecision(backend="pycocotools", iou_type="bbox", sync_on_compute=False, **kwargs)
     metric.update(preds, targets)
     return metric.compute()  # type: ignore[no-any-return]

@@ -62,6 +62,8 @@ def _trajectory(optimizer: Optimizer, scheduler: Any, steps: int) -> list[list[f
     return lrs
 
 
+# torch 2.4's SequentialLR steps its own schedulers with an epoch at a milestone and warns about that itself.
+@pytest.mark.filterwarnings("ignore:The epoch parameter in `scheduler.step\\(\\)`:UserWarning:torch\\.optim")
 @pytest.mark.parametrize("name", list(SCHEDULERS))
 @pytest.mark.parametrize("policy", ["linear", "sqrt"])
 def test_scaled_schedule_is_factor_times_the_unscaled_one(name: str, policy: str) -> None:

@@ -170,10 +170,11 @@ def test_python_type_errors_under_torch_compile_are_reported_by_dynamo(args, mes
         _call("nms", args)
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: _call("nms", a), fullgraph=True, backend="aot_eager")
-    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="Observed exception") as info:
         compiled(*args)
-    # Dynamo's wording around it varies by torch version; our whole message appears quoted in it.
-    assert f"TypeError({message!r})" in str(info.value.__cause__)
+    if torch.__version__ >= "2.10":  # older Dynamo reports the exception without it as the cause
+        # Dynamo's wording around it varies by torch version; our whole message appears quoted in it.
+        assert f"TypeError({message!r})" in str(info.value.__cause__)
 
 
 @RunIf(compiled_ops=True)

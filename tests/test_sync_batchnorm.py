@@ -167,7 +167,11 @@ def _sync_bn_on_rank(case: Case, rank: int, process_group: Any = None) -> dict[s
 
 def _reference(case: Case) -> dict[str, Any]:
     data = _case_data(case)
-    module = _BN_BY_DIM[len(case.sample_shape) + 1](case.sample_shape[0], **case.bn_kwargs())
+    kwargs = case.bn_kwargs()
+    bias = kwargs.pop("bias")  # older torch BatchNorm has no `bias` argument: remove the parameter, as bias=False does
+    module = _BN_BY_DIM[len(case.sample_shape) + 1](case.sample_shape[0], **kwargs)
+    if case.affine and not bias:
+        module.register_parameter("bias", None)
     _init_affine(module, data)
     return _train_steps(module, data["xs"], data["grads"], data["eval_x"])
 

@@ -43,7 +43,7 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, offset: int = 0) ->
     The compiled operator makes the tensor checks, so they raise the same errors in eager mode and under
     ``torch.compile(fullgraph=True)`` (when the compiled graph runs). Only the Python type checks (an argument that
     is not a tensor or a number) run while tracing, where ``torch._dynamo`` reports them as ``Unsupported``
-    ("Observed exception") with our ``TypeError`` as the cause.
+    ("Observed exception"), with our ``TypeError`` as the cause from torch 2.10 on.
 
     Differences from ``torchvision.ops.nms`` (0.29; tested in ``tests/test_nms_torchvision.py``): none on float
     inputs except when an IoU equals ``iou_threshold`` exactly. torchvision divides in float32 and compares the
@@ -118,17 +118,36 @@ def _use_compiled_op(boxes: Tensor) -> bool:
     return _loader.has_kernel(boxes.device.type) or (boxes.device.type == "meta" and _loader.has_compiled_ops())
 
 
+# torch < 2.10: Dynamo lets a fake kernel create a data-dependent size (`new_dynamic_size`) only when the global
+# `torch._dynamo.config.capture_dynamic_output_shape_ops` is set, even under fullgraph=True, and refuses the op as a
+# "dynamic shape operator" otherwise (2.10 allows it whenever fullgraph=True). Rather than set that config behind the
+# user's back, the fake kernels then create the size as torch's own internal fake kernels do: an unbacked SymInt of
+# the ShapeEnv with `new_dynamic_size`'s range (>= 0). On those versions the op is captured in the graph also without
+# fullgraph instead of breaking it. Private API, so only on these released versions; newer torch takes the public path.
+_OWN_DYNAMIC_SIZE = torch.__version__ < "2.10"
+
+
+def _new_kept_size() -> torch.SymInt:
+    ctx = torch.library.get_ctx()
+    shape_env = getattr(ctx, "_shape_env", None)
+    if _OWN_DYNAMIC_SIZE and shape_env is not None and not shape_env.allow_dynamic_output_shape_ops:
+        from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+        size: torch.SymInt = shape_env.create_unbacked_symint()
+        _constrain_range_for_size(size, min=0)
+        return size
+    return ctx.new_dynamic_size()
+
+
 # The fake kernels only describe the output: int64 indices of a data-dependent length K <= N. They check nothing,
 # so under torch.compile the argument checks run in C++ when the graph runs, with the same ValueError/TypeError
 # as in eager mode (a check raised while tracing would reach the user wrapped in a torch._dynamo error).
 def _nms_fake(boxes: Tensor, scores: Tensor, iou_threshold: float, offset: int = 0) -> Tensor:
-    kept = torch.library.get_ctx().new_dynamic_size()
-    return boxes.new_empty((kept,), dtype=torch.int64)
+    return boxes.new_empty((_new_kept_size(),), dtype=torch.int64)
 
 
 def _batched_nms_fake(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, offset: int = 0) -> Tensor:
-    kept = torch.library.get_ctx().new_dynamic_size()
-    return boxes.new_empty((kept,), dtype=torch.int64)
+    return boxes.new_empty((_new_kept_size(),), dtype=torch.int64)
 
 
 # Fake kernels (output size depends on the data) so torch.compile(fullgraph=True) traces through the ops.
