@@ -195,6 +195,55 @@ def test_dropout_recompute_reproduces_the_forward_mask_and_gradients() -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+class _CpuDrawnDropPath(nn.Module):
+    """Drop-path that draws its mask on the CPU generator whatever the input's device, as many models do."""
+
+    draws_random_numbers = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        keep = (torch.rand(x.shape[0], 1, dtype=x.dtype) > 0.5).to(x.device)
+        return x * keep * 2.0
+
+
+def test_recompute_replays_cpu_random_numbers_on_a_partition_with_its_own_generator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The partitions stand in for CUDA ones: their device generator is not the CPU one, so only a replay of the CPU
+    # generator too (as torchgpipe restores both) gives the recomputation the forward's mask.
+    import lightning_balanced.pipeline.rng as rng
+
+    device_generator = torch.Generator()
+    monkeypatch.setattr(rng, "_generator", lambda device: ("cuda:0", device_generator))
+    x = torch.randn(12, 5, dtype=torch.float64)
+    grads = {}
+    for checkpoint in ["always", "never"]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), _CpuDrawnDropPath(), nn.Tanh(), nn.Linear(8, 3)).double()
+        pipe = Pipe(model, [2, 2], CPU3[:2], chunks=3, checkpoint=checkpoint)
+        torch.manual_seed(7)
+        pipe(x).pow(2).sum().backward()
+        grads[checkpoint] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads["always"], grads["never"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_recompute_replays_cpu_and_cuda_random_numbers_on_cuda(devices: list[torch.device]) -> None:
+    x = torch.randn(12, 5, dtype=torch.float64, device=devices[0])
+    grads = {}
+    for checkpoint in ["always", "never"]:
+        torch.manual_seed(0)
+        layers = [nn.Linear(5, 8), _CpuDrawnDropPath(), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 3)]
+        model = nn.Sequential(*layers).double()
+        pipe = Pipe(model, [2, 3], devices, chunks=3, checkpoint=checkpoint)
+        pipe.place()
+        torch.manual_seed(7)
+        pipe(x).pow(2).sum().backward()
+        grads[checkpoint] = [p.grad.cpu() for p in model.parameters()]
+    for a, b in zip(grads["always"], grads["never"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 def test_same_seed_same_masks_whatever_the_thread_timing() -> None:
     x = torch.randn(16, 5, dtype=torch.float64)
     runs = []

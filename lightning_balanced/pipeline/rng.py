@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch.nn import Module, MultiheadAttention, RReLU
@@ -62,16 +62,31 @@ def _generator(device: torch.device) -> tuple[str, torch.Generator]:
     raise ValueError(f"no default generator is known for device {device}")
 
 
+def _generators(device: torch.device) -> list[tuple[str, torch.Generator]]:
+    """The default generators a task on ``device`` may draw from: the CPU one, then ``device``'s own.
+
+    The CPU one always: a layer on a CUDA partition may draw there (``torch.rand(n).to(x.device)``, a random crop).
+    """
+    found = [("cpu", torch.default_generator)]
+    key, generator = _generator(device)
+    if key != "cpu":
+        found.append((key, generator))
+    return found
+
+
 @contextmanager
 def seeded(device: torch.device, seed: int) -> Iterator[None]:
-    """Run with ``device``'s default generator seeded with ``seed``, exclusively; its state is restored after."""
-    key, generator = _generator(device)
-    with _LOCKS_LOCK:
-        lock = _GENERATOR_LOCKS.setdefault(key, threading.Lock())
-    with lock:
-        state = generator.get_state()
-        generator.manual_seed(seed)
-        try:
-            yield
-        finally:
-            generator.set_state(state)
+    """Run with the CPU generator and ``device``'s seeded with ``seed``, exclusively; their states are restored after.
+
+    Both, as torchgpipe saves and restores both: a layer on a CUDA partition that draws on the CPU generator gets the
+    same numbers in the recomputation. Locks are taken in one order (the CPU generator's first), so tasks never
+    deadlock; on CUDA they are held while the kernels are queued, not while they run.
+    """
+    with ExitStack() as stack:
+        for key, generator in _generators(device):
+            with _LOCKS_LOCK:
+                lock = _GENERATOR_LOCKS.setdefault(key, threading.Lock())
+            stack.enter_context(lock)
+            stack.callback(generator.set_state, generator.get_state())
+            generator.manual_seed(seed)
+        yield
