@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -355,3 +356,43 @@ def test_cuda_memory_balance(devices: list[torch.device]) -> None:
     strategy = GPipeStrategy(balance="memory", chunks=2, parallel_devices=devices)
     trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=gpu_ids(devices), max_steps=1)
     trainer.fit(SequentialModel(), data(dtype=torch.float32))
+
+
+# ---- placement: the pipelined model never sits whole on the root device ----------------------------------------------
+@pytest.mark.parametrize("balance", [[4, 2], "auto"])
+def test_no_device_move_takes_the_pipelined_layers_along_with_the_rest_of_the_model(
+    balance: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # All devices are `cpu` here, so record the moves instead: a `.to(device)` of any module that holds pipelined
+    # layers but is not one of them (the root's, Lightning's) would put the whole model on one device.
+    model = SequentialModel()
+    layer_ids = {id(layer) for layer in model.sequential_module}
+    whole_moves: list[str] = []
+    layer_moves: Counter[int] = Counter()
+    to = nn.Module.to
+
+    def recorded(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
+            if id(self) in layer_ids:
+                layer_moves[id(self)] += 1
+            elif any(id(m) in layer_ids for m in self.modules()):
+                whole_moves.append(type(self).__name__)
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "to", recorded)
+    fit(GPipeStrategy(balance=balance, chunks=2), max_steps=1, model=model)
+    assert whole_moves == []
+    assert set(layer_moves) == layer_ids  # each layer moved to its partition's device on its own
+
+
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_init_module_makes_layers_in_host_memory_not_on_device_0(devices: list[torch.device]) -> None:
+    strategy = GPipeStrategy(balance=[4, 2], chunks=2, parallel_devices=devices)
+    trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=gpu_ids(devices), precision="64-true")
+    with trainer.init_module():
+        model = SequentialModel()
+    assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    trainer.fit(model, data())
+    assert model.sequential_module[0].weight.device == devices[0]
+    assert model.sequential_module[5].weight.device == devices[1]

@@ -7,6 +7,7 @@ memory its forward pass keeps for backward plus its parameters and their gradien
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -108,7 +109,14 @@ def _side_effect_free(layers: Sequence[Module], device: torch.device) -> Iterato
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None  # backward would accumulate into the existing gradient tensors
-    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
+    # By owner and name: a layer measured on another device comes back with new buffer tensors.
+    buffers = [
+        (module, name, buffer.detach().clone())
+        for layer in layers
+        for module in layer.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    ]
     devices = []
     if device.type == "cuda":
         devices = [torch.cuda.current_device() if device.index is None else device.index]
@@ -120,8 +128,10 @@ def _side_effect_free(layers: Sequence[Module], device: torch.device) -> Iterato
             yield
         finally:
             with torch.no_grad():
-                for buffer, copy in buffers:
-                    buffer.copy_(copy)
+                for module, name, copy in buffers:
+                    current = module._buffers[name]
+                    if current is not None:
+                        current.copy_(copy)
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
             for layer in layers:
@@ -146,27 +156,42 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextmanager
+def _visiting(layer: Module, device: torch.device) -> Iterator[None]:
+    """``layer`` on ``device`` for a measurement, then back where it was: one layer at a time, never the model whole."""
+    home = next(itertools.chain(layer.parameters(), layer.buffers()), None)
+    layer.to(device)
+    try:
+        yield
+    finally:
+        if home is not None:
+            layer.to(home.device)
+
+
 def layer_times(layers: Sequence[Module], sample: Any, device: torch.device, repeats: int = 3) -> list[float]:
     """Forward+backward seconds of each layer on ``sample`` (the input of the first layer), on ``device``.
 
-    The layers run in sequence, each on the previous one's output, ``repeats + 1`` times; the first pass warms up and
-    each layer's cost is its median over the others. Gradients, buffers and random generators are left as they were.
+    Each layer in turn is moved to ``device`` (and back afterwards, so the model never sits there whole) and runs on
+    the previous layer's output ``repeats + 1`` times; the first run warms up and its cost is the median of the
+    others. Gradients, buffers and random generators are left as they were.
     """
-    times: list[list[float]] = [[] for _ in layers]
+    times: list[float] = []
     with _side_effect_free(layers, device):
-        for attempt in range(repeats + 1):
-            value = sample
-            for k, layer in enumerate(layers):
-                value = _leaf(value)
-                _synchronize(device)
-                start = time.perf_counter()
-                output = layer(value)
-                _backward(output)
-                _synchronize(device)
-                if attempt:
-                    times[k].append(time.perf_counter() - start)
-                value = output
-    return [statistics.median(t) for t in times]
+        value = sample
+        for layer in layers:
+            runs = []
+            with _visiting(layer, device):
+                for _ in range(repeats + 1):
+                    leaf = _leaf(value)
+                    _synchronize(device)
+                    start = time.perf_counter()
+                    output = layer(leaf)
+                    _backward(output)
+                    _synchronize(device)
+                    runs.append(time.perf_counter() - start)
+            times.append(statistics.median(runs[1:]))
+            value = flatten(output)[1]([t.detach() for t in flatten(output)[0]])
+    return times
 
 
 def balance_by_time(layers: Sequence[Module], sample: Any, partitions: int, device: torch.device) -> list[int]:
@@ -186,14 +211,15 @@ def layer_memory(layers: Sequence[Module], sample: Any, device: torch.device, pa
     with _side_effect_free(layers, device):
         value = sample
         for layer in layers:
-            value = _leaf(value)
-            torch.cuda.synchronize(device)
-            before = torch.cuda.memory_allocated(device)
-            output = layer(value)
-            torch.cuda.synchronize(device)
-            kept = torch.cuda.memory_allocated(device) - before
-            params = sum(p.numel() * p.element_size() for p in layer.parameters())
-            costs.append(float(max(kept, 0) + param_scale * params))
-            value = flatten(output)[1]([t.detach() for t in flatten(output)[0]])
-            del output
+            with _visiting(layer, device):  # one layer at a time on the device, as layer_times does
+                value = _leaf(value)
+                torch.cuda.synchronize(device)
+                before = torch.cuda.memory_allocated(device)
+                output = layer(value)
+                torch.cuda.synchronize(device)
+                kept = torch.cuda.memory_allocated(device) - before
+                params = sum(p.numel() * p.element_size() for p in layer.parameters())
+                costs.append(float(max(kept, 0) + param_scale * params))
+                value = flatten(output)[1]([t.detach() for t in flatten(output)[0]])
+                del output
     return costs

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -133,17 +135,46 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
     # ---- placement -------------------------------------------------------------------------------------------------
     @override
     def model_to_device(self) -> None:
-        """The module on the root device, then each partition on its own device (``module.to`` would collapse them)."""
+        """Each partition's layers straight onto its device, the rest of the module onto the root device.
+
+        The pipelined Sequential never passes through the root device as a whole (the model gpipe exists for does not
+        fit there): it is set aside while the rest moves. Before the balance is chosen (``balance="auto"``, measured
+        on the first batch), its layers stay where they were made; the measurement moves one layer at a time.
+        """
         assert self.model is not None
-        self.model.to(self.root_device)
-        if self._pipe is not None:
-            self._pipe.place()
-            self._optimizer_states_to_parameter_devices()
+        pipe = self._pipe
+        module = self.lightning_module
+        if pipe is None or module is None or getattr(module, self.module_name, None) is not pipe:
+            self.model.to(self.root_device)
+            return
+        del module._modules[self.module_name]  # set aside: `.to` reaches everything but the pipeline
+        try:
+            self.model.to(self.root_device)
+        finally:
+            module._modules[self.module_name] = pipe
+        assert pipe is not None
+        pipe.place()
+        self._optimizer_states_to_parameter_devices()
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Tensors made under ``trainer.init_module()`` go to host memory, not to device 0, which may not hold them all.
+
+        :meth:`model_to_device` then moves each partition's layers to its device and the rest to the root device.
+        The precision's dtype and ``empty_init`` apply as with any strategy.
+        """
+        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """As Lightning does, then each state tensor onto its parameter's device (Lightning moves all to the root)."""
-        super().load_optimizer_state_dict(checkpoint)
+        """Each optimizer's state onto its own parameter's device, as ``Optimizer.load_state_dict`` places it.
+
+        Lightning's default would then move every state tensor to the root device, all partitions' state at once.
+        """
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            optimizer.load_state_dict(state)
         self._optimizer_states_to_parameter_devices()
 
     def _optimizer_states_to_parameter_devices(self) -> None:
