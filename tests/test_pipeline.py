@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe, clock_cycles, plan_micro_batches, split_costs
 from lightning_balanced.pipeline.balance import balance_by_parameters, layer_times
-from tests.helpers import CUDA_DEVICE_LISTS
+from tests.helpers import CUDA_DEVICE_LISTS, RunIf
 
 CPU2 = [torch.device("cpu")] * 2
 CPU3 = [torch.device("cpu")] * 3
@@ -436,7 +436,13 @@ def test_error_in_a_partition_names_it_and_the_pipe_stays_usable() -> None:
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+# Also a GPU and the host: copies in both directions, through the GPU's copy stream and after the producing stream.
+GPU_AND_HOST = pytest.param(
+    [torch.device("cuda", 0), torch.device("cpu")], id="gpu-and-host", marks=RunIf(min_cuda_gpus=1)
+)
+
+
+@pytest.mark.parametrize("devices", [*CUDA_DEVICE_LISTS, GPU_AND_HOST])
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_cuda_two_devices_equal_the_unpipelined_model(checkpoint: str, devices: list[torch.device]) -> None:
     torch.manual_seed(1)

@@ -265,7 +265,7 @@ class _Task:
     def __call__(self) -> Any:
         device = self.partition.device
         with self.modes.enter():
-            value = copy_to_device(self.value, device, self.copy_streams.get(device), self.source)
+            value = copy_to_device(self.value, device, self.copy_streams, self.source)
             checkpointing = Checkpointing(self.partition, self.modes, self.seed)
             if not self.checkpoint:
                 return checkpointing.run(value)

@@ -1,4 +1,4 @@
-"""Moving a micro-batch between partitions: on CUDA on a copy stream per device, so copies overlap compute."""
+"""Moving a micro-batch between partitions: on CUDA through a copy stream per device, so copies overlap compute."""
 
 from __future__ import annotations
 
@@ -27,21 +27,35 @@ class CopyStreams:
 
 
 def copy_to_device(
-    value: Any, device: torch.device, stream: torch.cuda.Stream | None, source: torch.cuda.Stream | None = None
+    value: Any, device: torch.device, streams: CopyStreams, source: torch.cuda.Stream | None = None
 ) -> Any:
     """Move the tensors of ``value`` to ``device``, autograd-aware, for use on ``device``'s current stream.
 
-    With a CUDA copy ``stream`` (on ``device``), the copy waits for the producer's stream (``source``, else the current
-    stream of the tensor's device), runs on ``stream``, and the current stream of ``device`` waits for it; both tensors
-    are recorded on the streams that use them, so the caching allocator does not reuse their memory early. The copy's
-    backward runs on the same stream (autograd's stream semantics). A tensor already on ``device`` is not copied, but
-    when it was made on another stream of that device (``source``: another partition on the same GPU), the current
-    stream waits for that one and the tensor is recorded on it.
+    ``source`` is the stream that made them (the previous partition's compute stream; ``None``: the current stream of
+    their device). Between two CUDA devices the copy runs with both devices' copy streams current (``streams``): the
+    source's copy stream waits for ``source``, the copy runs there (torch orders it with the destination's copy
+    stream), and the current stream of ``device`` waits for the destination's copy stream, so copies overlap compute
+    on both devices. From the host, the copy runs on the destination's copy stream; to the host, after ``source``.
+    Every tensor is recorded on the streams that use it, so the caching allocator does not reuse its memory early;
+    the copy's backward runs on the same streams (autograd's stream semantics). A tensor already on ``device`` is not
+    copied, but when another stream of that device made it (another partition on the same GPU), the current stream
+    waits for that one and the tensor is recorded on it.
 
-    Source: the copy streams of torchgpipe (Lee et al., 2020).
+    Source: ``copy.py`` of torchgpipe (Lee et al., 2020), which enters both copy streams.
     """
-    if stream is None:
-        return apply_to_collection(value, Tensor, lambda t: t.to(device))
+    destination = streams.get(device)
+
+    def wait_for_source(tensor: Tensor, stream: torch.cuda.Stream) -> None:
+        stream.wait_stream(source if source is not None else torch.cuda.current_stream(tensor.device))
+
+    if destination is None:  # to the host (or another non-CUDA device): after the producing stream, synchronously
+
+        def to_host(tensor: Tensor) -> Tensor:
+            if tensor.device.type == "cuda" and tensor.device != device:
+                wait_for_source(tensor, torch.cuda.current_stream(tensor.device))
+            return tensor.to(device)
+
+        return apply_to_collection(value, Tensor, to_host)
     compute = torch.cuda.current_stream(device)
 
     def move(tensor: Tensor) -> Tensor:
@@ -51,12 +65,16 @@ def copy_to_device(
                 tensor.record_stream(compute)
             return tensor
         if tensor.device.type == "cuda":
-            stream.wait_stream(source if source is not None else torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(stream):
-            moved = tensor.to(device, non_blocking=True)
-        if tensor.device.type == "cuda":
-            tensor.record_stream(stream)
-        compute.wait_stream(stream)
+            origin = streams.get(tensor.device)
+            assert origin is not None
+            wait_for_source(tensor, origin)
+            with torch.cuda.stream(origin), torch.cuda.stream(destination):
+                moved = tensor.to(device, non_blocking=True)
+            tensor.record_stream(origin)
+        else:
+            with torch.cuda.stream(destination):
+                moved = tensor.to(device, non_blocking=True)
+        compute.wait_stream(destination)
         moved.record_stream(compute)
         return moved
 
