@@ -219,17 +219,21 @@ class VirtualDeviceMode(TorchFunctionMode):
     def _check(func: Callable[..., Any], tensors: list[Tensor]) -> None:
         """Raise when the tensors that count (see the module docstring) are on two devices."""
         found: int | None = None
-        in_place = _is_in_place(func)
-        with torch._C.DisableTorchFunction():
-            for position, tensor in enumerate(tensors):
-                tagged = _index_of(tensor)
-                if tagged in (None, HOST) and tensor.dim() == 0 and not (in_place and position == 0):
-                    continue  # a 0-dim host tensor (or plain: maybe one) combines with any device
-                index = 0 if tagged is None else tagged  # a plain tensor is the root's, on cpu:0
-                if found is None:
-                    found = index
-                elif index != found:
-                    raise _two_devices(found, index)
+        in_place: bool | None = None  # worked out only when needed
+        for position, tensor in enumerate(tensors):
+            tagged = _index_of(tensor)
+            # A 0-dim host tensor (or a plain one: maybe one) combines with any device, unless written into.
+            if (tagged is None or tagged == HOST) and _dim(tensor) == 0:
+                if position > 0:
+                    continue
+                in_place = _is_in_place(func) if in_place is None else in_place
+                if not in_place:
+                    continue
+            index = 0 if tagged is None else tagged  # a plain tensor is the root's, on cpu:0
+            if found is None:
+                found = index
+            elif index != found:
+                raise _two_devices(found, index)
 
 
 def on_device(tensor: Tensor, device: torch.device) -> Tensor:
