@@ -189,10 +189,10 @@ _MISTAKES = {
 def _two_devices_message(devices: str) -> str:
     # The message, then the note the strategy adds (pytest matches both): the one replica that ran, on cpu:1.
     return (
-        f"Expected all tensors to be on the same device, but found at least two devices, {devices}! (balanced_dp's"
-        " CPU emulation: replica i runs on virtual device cpu:i, the root is cpu:0 and tensors made without a device"
-        " are host tensors, cpu; this would fail on GPUs too. Move tensors to one device, e.g. `self.device`, before"
-        " combining them)\n(raised in balanced_dp replica 0 on cpu:1)"
+        f"Expected all tensors to be on the same device, but found at least two devices, {devices}!"
+        " (lightning_balanced's CPU emulation: replica or partition i runs on virtual device cpu:i, the root is cpu:0"
+        " and tensors made without a device are host tensors, cpu; this would fail on GPUs too. Move tensors to one"
+        " device, e.g. `self.device`, before combining them)\n(raised in balanced_dp replica 0 on cpu:1)"
     )
 
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import GPipeStrategy
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
-from tests.helpers import CUDA_DEVICE_LISTS, gpu_ids, quiet_trainer
+from tests.helpers import CUDA_DEVICE_LISTS, gpu_ids, quiet_trainer, raises_exactly
 
 MODES = ["always", "except_last", "never"]
 
@@ -218,7 +218,7 @@ def test_balance_is_reported_once_one_line_per_partition(
         fit(GPipeStrategy(balance=balance, chunks=2), devices=3, max_steps=3)
     lines = gpipe_lines(caplog)
     assert len(lines) == 4 and method in lines[0]
-    assert [line.split(":")[0].strip() for line in lines[1:]] == [f"partition {j} (cpu)" for j in range(3)]
+    assert [line.split("):")[0].strip() for line in lines[1:]] == [f"partition {j} (cpu:{j}" for j in range(3)]
     if balance == "parameters":  # deterministic: 96+1+1 | 272 | 1+51 parameters (+1 per layer)
         assert "balance [3, 1, 2]" in lines[0]
 
@@ -396,3 +396,25 @@ def test_init_module_makes_layers_in_host_memory_not_on_device_0(devices: list[t
     trainer.fit(model, data())
     assert model.sequential_module[0].weight.device == devices[0]
     assert model.sequential_module[5].weight.device == devices[1]
+
+
+# ---- the CPU emulation: partition j on virtual device cpu:j ---------------------------------------------------------
+def test_partitions_run_on_virtual_devices_and_a_hook_mixing_in_a_root_tensor_fails_as_on_gpus() -> None:
+    model = SequentialModel()
+    seen: list[torch.device] = []
+    model.sequential_module[0].register_forward_hook(lambda _, args, out: seen.append(out.device))
+    model.sequential_module[5].register_forward_hook(lambda _, args, out: seen.append(out.device))
+    fit(GPipeStrategy(balance=[4, 2], chunks=2), max_steps=1, model=model)
+    assert set(seen) == {torch.device("cpu", 0), torch.device("cpu", 1)}
+
+    model = SequentialModel()
+    root_tensor = torch.ones(3, dtype=torch.float64)  # a root attribute: on device 0 (cuda:0 on GPUs)
+    model.sequential_module[5].register_forward_hook(lambda _, args, out: out + root_tensor)
+    with raises_exactly(
+        RuntimeError,
+        "Expected all tensors to be on the same device, but found at least two devices, cpu:0 and cpu:1!"
+        " (lightning_balanced's CPU emulation: replica or partition i runs on virtual device cpu:i, the root is cpu:0"
+        " and tensors made without a device are host tensors, cpu; this would fail on GPUs too. Move tensors to one"
+        " device, e.g. `self.device`, before combining them)\n(raised in gpipe partition 1 on cpu:1, micro-batch 0)",
+    ):
+        fit(GPipeStrategy(balance=[4, 2], chunks=2), max_steps=1, model=model)

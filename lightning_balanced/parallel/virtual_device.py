@@ -59,9 +59,9 @@ def _two_devices(first: int, second: int) -> RuntimeError:
     low, high = sorted((first, second))
     return RuntimeError(
         f"Expected all tensors to be on the same device, but found at least two devices, {_name(low)} and"
-        f" {_name(high)}! (balanced_dp's CPU emulation: replica i runs on virtual device cpu:i, the root is cpu:0 and"
-        " tensors made without a device are host tensors, cpu; this would fail on GPUs too. Move tensors to one"
-        " device, e.g. `self.device`, before combining them)"
+        f" {_name(high)}! (lightning_balanced's CPU emulation: replica or partition i runs on virtual device cpu:i,"
+        " the root is cpu:0 and tensors made without a device are host tensors, cpu; this would fail on GPUs too. Move"
+        " tensors to one device, e.g. `self.device`, before combining them)"
     )
 
 
@@ -179,11 +179,15 @@ class VirtualDeviceMode(TorchFunctionMode):
 
     Args:
         index (int): the replica's virtual device, ``cpu:index``.
+        owned (frozenset[int]): ``id``s of plain tensors that live on this device rather than the root's: a gpipe
+            partition's own parameters and buffers (its layers are not replicated, so their tensors carry no tag).
+            Results computed from them are tagged ``cpu:index``.
     """
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, owned: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.index = index
+        self.owned = owned
 
     def __torch_function__(
         self,
@@ -195,11 +199,14 @@ class VirtualDeviceMode(TorchFunctionMode):
         """Refuse tensors of two devices; tag what the replica makes or moves with the device it names."""
         kwargs = kwargs or {}
         tensors = _tensor_args(args, kwargs)
-        if len(tensors) > 1 and func not in _ANY_DEVICES:
-            self._check(func, tensors)
+        found = None
+        if (len(tensors) > 1 or self.owned) and func not in _ANY_DEVICES:
+            found = self._check(func, tensors)
         result = func(*args, **kwargs)
         if not isinstance(result, Tensor):
             return result
+        if self.owned and found is not None and _index_of(result) is None:
+            return _tag(result, found)  # made from this partition's own tensors: it lives on its device
         if not tensors:  # a factory: torch.ones(...), torch.tensor(...), torch.arange(...)
             index = _device_index(kwargs.get("device"))
             return result if index is None else _tag(result, index)
@@ -215,9 +222,8 @@ class VirtualDeviceMode(TorchFunctionMode):
                 return _tag(result, HOST if target is None else target)
         return result
 
-    @staticmethod
-    def _check(func: Callable[..., Any], tensors: list[Tensor]) -> None:
-        """Raise when the tensors that count (see the module docstring) are on two devices."""
+    def _check(self, func: Callable[..., Any], tensors: list[Tensor]) -> int | None:
+        """The one device of the tensors that count (see the module docstring); raise when there are two."""
         found: int | None = None
         in_place: bool | None = None  # worked out only when needed
         for position, tensor in enumerate(tensors):
@@ -229,11 +235,13 @@ class VirtualDeviceMode(TorchFunctionMode):
                 in_place = _is_in_place(func) if in_place is None else in_place
                 if not in_place:
                     continue
-            index = 0 if tagged is None else tagged  # a plain tensor is the root's, on cpu:0
+            # A plain tensor is the partition's own, else the root's, on cpu:0.
+            index = tagged if tagged is not None else (self.index if id(tensor) in self.owned else 0)
             if found is None:
                 found = index
             elif index != found:
                 raise _two_devices(found, index)
+        return found
 
 
 def on_device(tensor: Tensor, device: torch.device) -> Tensor:

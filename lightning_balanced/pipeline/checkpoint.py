@@ -112,7 +112,10 @@ class _Checkpoint(torch.autograd.Function):
         outputs, leaves = state.recomputed.pop()
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad and g is not None]
         if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            # Autograd keeps gradients on their tensors' devices itself; the CPU emulation's device tags (which the
+            # engine does not carry through) are not checked here.
+            with torch._C.DisableTorchFunctionSubclass():
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = tuple(leaf.grad if leaf.requires_grad else None for leaf in leaves)
         return (None, None, None, *grads)
 

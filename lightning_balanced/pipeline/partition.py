@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +31,12 @@ class Partition:
         self.layers = list(layers)
         self.device = device
         self.module_name = module_name
+
+    def tensor_ids(self) -> frozenset[int]:
+        """The ``id``s of the partition's parameters and buffers (for the CPU emulation's device rule)."""
+        return frozenset(
+            id(tensor) for _, layer in self.layers for tensor in itertools.chain(layer.parameters(), layer.buffers())
+        )
 
     def _name(self, index: int) -> str:
         return f"`{self.module_name}[{index}]`"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any, Literal
 
 import torch
@@ -12,6 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_balanced.parallel import infer_batch_size
 from lightning_balanced.parallel.stream_order import record_on
+from lightning_balanced.parallel.virtual_device import VirtualDeviceMode
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.checkpoint import Checkpointing
 from lightning_balanced.pipeline.dependency import depend
@@ -243,7 +245,9 @@ class Pipe(nn.Sequential):
                 record_on(batch, torch.cuda.current_stream(producer.device))
         for layer in deferred:
             layer.commit()
-        return join(batches, sizes, self.devices[0])
+        # On virtual CPU devices the output is the root's, a plain tensor, as everything else on the main thread.
+        output_device = self.devices[0] if self.devices[0].type != "cpu" else torch.device("cpu")
+        return join(batches, sizes, output_device)
 
 
 class _Task:
@@ -264,6 +268,12 @@ class _Task:
 
     def __call__(self) -> Any:
         device = self.partition.device
+        with ExitStack() as contexts:
+            if device.type == "cpu" and device.index is not None:  # a virtual device: CUDA's rule for every tensor
+                contexts.enter_context(VirtualDeviceMode(device.index, self.partition.tensor_ids()))
+            return self._run(device)
+
+    def _run(self, device: torch.device) -> Any:
         with self.modes.enter():
             value = copy_to_device(self.value, device, self.copy_streams, self.source)
             checkpointing = Checkpointing(self.partition, self.modes, self.seed)

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_balanced.parallel import virtual_devices
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
 from lightning_balanced.pipeline.balance import (
     BalanceMethod,
@@ -198,7 +199,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         sequential = self._find_sequential(module)
-        devices = list(self.parallel_devices)
+        devices = virtual_devices(self.parallel_devices)  # on CPU, partition j on virtual device cpu:j
         if isinstance(self.balance, list):
             balance: Any = validate_balance(self.balance, len(sequential), len(devices))
         elif self.balance is None:
