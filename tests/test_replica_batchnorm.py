@@ -420,3 +420,19 @@ def test_layers_found_once_check_their_arguments_as_attach_step() -> None:
         layers.attach([model], SyncBatchNormStep([3]))
     with pytest.raises(ValueError, match="got 1 replicas for a step of 2"):
         layers.attach(replicate(model, [_CPU]), SyncBatchNormStep([3, 4]))
+
+
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_the_statistics_exchange_on_cuda_never_makes_the_host_wait(devices: list[torch.device]) -> None:
+    # torch's sync debug mode raises on any operation that synchronizes the host with the GPU (a blocking copy from
+    # pageable memory, .item(), ...): the exchange orders the replicas' streams with events instead.
+    case = Case("2d", (3, 5))
+    model = convert_replica_batchnorm(_model(case)).to(devices[0])
+    x, _ = (t.to(devices[0]) for t in _data(case, 0))
+    _replica_forward(model, x, case.chunk_sizes, devices)  # warm-up: kernels loaded, library handles made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _replica_forward(model, x, case.chunk_sizes, devices)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
