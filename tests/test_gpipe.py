@@ -396,3 +396,36 @@ def test_init_module_makes_layers_in_host_memory_not_on_device_0(devices: list[t
     trainer.fit(model, data())
     assert model.sequential_module[0].weight.device == devices[0]
     assert model.sequential_module[5].weight.device == devices[1]
+
+
+class SandwichModel(SequentialModel):
+    """The Sequential between two other layers of the module: placement must keep the parameters' order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        sequential = self.sequential_module
+        del self.sequential_module
+        self.pre = nn.Linear(5, 5).double()
+        self.sequential_module = sequential
+        self.post = nn.Linear(3, 3).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.post(super().forward(self.pre(x)))
+
+
+def test_placement_keeps_the_parameter_order_so_optimizer_states_fit_the_unpipelined_model() -> None:
+    # The optimizer's state_dict refers to parameters by position: a placement that re-registered the Sequential at
+    # the end of the module would make a gpipe checkpoint's optimizer state land on the wrong parameters elsewhere.
+    model = SandwichModel()
+    names = [name for name, _ in model.named_parameters()]
+    assert names[-2:] == ["post.weight", "post.bias"]
+    captured: list[list[str]] = []
+
+    class CaptureOrder(Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            by_id = {id(p): name for name, p in module.named_parameters()}
+            captured.append([by_id[id(p)] for group in trainer.optimizers[0].param_groups for p in group["params"]])
+
+    fit(GPipeStrategy(balance=[4, 2], chunks=2), max_steps=1, model=model, callbacks=[CaptureOrder()])
+    assert captured == [names]
+    assert [name for name, _ in model.named_parameters()] == names
