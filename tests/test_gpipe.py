@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import GPipeStrategy
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
-from tests.helpers import CUDA_DEVICE_LISTS, gpu_ids, quiet_trainer, raises_exactly
+from tests.helpers import CUDA_DEVICE_LISTS, RunIf, gpu_ids, quiet_trainer, raises_exactly
 
 MODES = ["always", "except_last", "never"]
 
@@ -418,3 +418,144 @@ def test_partitions_run_on_virtual_devices_and_a_hook_mixing_in_a_root_tensor_fa
         " device, e.g. `self.device`, before combining them)\n(raised in gpipe partition 1 on cpu:1, micro-batch 0)",
     ):
         fit(GPipeStrategy(balance=[4, 2], chunks=2), max_steps=1, model=model)
+
+
+class SandwichModel(SequentialModel):
+    """The Sequential between two other layers of the module: placement must keep the parameters' order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        sequential = self.sequential_module
+        del self.sequential_module
+        self.pre = nn.Linear(5, 5).double()
+        self.sequential_module = sequential
+        self.post = nn.Linear(3, 3).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.post(super().forward(self.pre(x)))
+
+
+def test_placement_keeps_the_parameter_order_so_optimizer_states_fit_the_unpipelined_model() -> None:
+    # The optimizer's state_dict refers to parameters by position: a placement that re-registered the Sequential at
+    # the end of the module would make a gpipe checkpoint's optimizer state land on the wrong parameters elsewhere.
+    model = SandwichModel()
+    names = [name for name, _ in model.named_parameters()]
+    assert names[-2:] == ["post.weight", "post.bias"]
+    captured: list[list[str]] = []
+
+    class CaptureOrder(Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            by_id = {id(p): name for name, p in module.named_parameters()}
+            captured.append([by_id[id(p)] for group in trainer.optimizers[0].param_groups for p in group["params"]])
+
+    fit(GPipeStrategy(balance=[4, 2], chunks=2), max_steps=1, model=model, callbacks=[CaptureOrder()])
+    assert captured == [names]
+    assert [name for name, _ in model.named_parameters()] == names
+
+
+def test_init_module_makes_the_layers_in_host_memory_whatever_the_root_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The root here is the host; stand in a root that is not (the meta device) to tell "made on the root" apart.
+    strategy = GPipeStrategy(balance=[4, 2], parallel_devices=[torch.device("cpu")] * 2)
+    monkeypatch.setattr(GPipeStrategy, "root_device", property(lambda self: torch.device("meta")))
+    with strategy.tensor_init_context():
+        model = SequentialModel()
+    assert {t.device for t in [*model.parameters(), *model.buffers()]} == {torch.device("cpu")}
+
+
+@pytest.mark.parametrize("balance", [[3, 3], "auto"])
+def test_resumed_optimizer_state_is_not_moved_to_the_root_device(
+    balance: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning's default resume moves every optimizer state tensor to the root device (all partitions' state on
+    # device 0). Record each move of a non-empty optimizer state until training starts (teardown's move to the host
+    # comes later); `Optimizer.load_state_dict` puts each tensor on its parameter's device by itself.
+    path = tmp_path / "gpipe.ckpt"
+    one_epoch: dict[str, Any] = {"precision": "64-true", "max_steps": -1, "max_epochs": 1}  # an end-of-epoch checkpoint
+    trainer = quiet_trainer(strategy=GPipeStrategy(balance=[3, 3]), devices=2, **one_epoch)
+    trainer.fit(SequentialModel(), data())
+    trainer.save_checkpoint(path)
+
+    import lightning.fabric.utilities.optimizer as fabric_optimizer
+    import lightning.pytorch.strategies.strategy as strategy_module
+
+    moves: list[str] = []
+    started: list[bool] = []
+    original = fabric_optimizer._optimizer_to_device
+
+    def recorded(optimizer: torch.optim.Optimizer, device: Any) -> None:
+        if optimizer.state and not started:
+            moves.append(str(device))
+        original(optimizer, device)
+
+    monkeypatch.setattr(fabric_optimizer, "_optimizer_to_device", recorded)
+    monkeypatch.setattr(strategy_module, "_optimizer_to_device", recorded)
+
+    class Started(Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            started.append(True)
+            assert trainer.optimizers[0].state  # the state was restored
+
+    strategy = GPipeStrategy(balance=balance, chunks=2)
+    fit(strategy, ckpt_path=str(path), callbacks=[Started()], max_steps=-1, max_epochs=2)
+    assert started and moves == []
+
+
+# ---- placement on a GPU: the host stands in for a second GPU ---------------------------------------------------------
+GPU_AND_HOST = [torch.device("cuda", 0), torch.device("cpu")]
+
+
+class WideModel(pl.LightningModule):
+    """Eight 1024x1024 float32 layers, 4 MiB each (32 MiB together): big enough to see on the memory counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequential_module = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.sequential_module(x)
+
+    def validation_step(self, batch: tuple[Tensor], batch_idx: int) -> None:
+        self.log("val", self(batch[0]).square().mean(), batch_size=len(batch[0]))
+
+
+@RunIf(min_cuda_gpus=1)
+@pytest.mark.parametrize("balance", [[4, 4], "auto"])
+def test_device_0_never_holds_the_whole_pipelined_model(balance: Any) -> None:
+    # Partitions on cuda:0 and the host: cuda:0 should hold at most half of the layers (16 MiB) plus small activations;
+    # putting the whole model there first, or measuring "auto" with every layer on it, peaks at 32 MiB or more.
+    model = WideModel()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    loader = DataLoader(TensorDataset(torch.randn(16, 1024)), batch_size=8)
+    strategy = GPipeStrategy(balance=balance, chunks=2, parallel_devices=GPU_AND_HOST)
+    trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=[0])
+    torch.cuda.synchronize(0)
+    torch.cuda.reset_peak_memory_stats(0)
+    before = torch.cuda.memory_allocated(0)
+    trainer.validate(model, loader, verbose=False)
+    peak = torch.cuda.max_memory_allocated(0) - before
+    assert peak < 0.75 * whole, f"cuda:0 peaked at {peak / 2**20:.1f} MiB for a {whole / 2**20:.1f} MiB model"
+
+
+@RunIf(min_cuda_gpus=1)
+def test_resumed_optimizer_state_lands_on_each_partition_s_device(tmp_path: Path) -> None:
+    path = tmp_path / "gpipe.ckpt"
+    strategy = GPipeStrategy(balance=[3, 3], chunks=2, parallel_devices=GPU_AND_HOST)
+    one_epoch: dict[str, Any] = {"precision": "64-true", "max_steps": -1, "max_epochs": 1}  # an end-of-epoch checkpoint
+    trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=[0], **one_epoch)
+    trainer.fit(SequentialModel(), data())
+    trainer.save_checkpoint(path)
+    placed: list[set[bool]] = []
+
+    class Inspect(Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            states = trainer.optimizers[0].state
+            placed.append({s["exp_avg"].device == p.device for p, s in states.items()})
+
+    strategy = GPipeStrategy(balance=[3, 3], chunks=2, parallel_devices=GPU_AND_HOST)
+    trainer = quiet_trainer(
+        strategy=strategy, accelerator="cuda", devices=[0], **{**one_epoch, "max_epochs": 2}, callbacks=[Inspect()]
+    )
+    model = SequentialModel()
+    trainer.fit(model, data(), ckpt_path=str(path))
+    assert placed == [{True}]
+    assert model.sequential_module[5].weight.device == torch.device("cpu")

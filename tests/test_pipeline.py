@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe, clock_cycles, plan_micro_batches, split_costs
 from lightning_balanced.pipeline.balance import balance_by_parameters, layer_times
+from lightning_balanced.pipeline.streams import CopyStreams, copy_to_device
 from tests.helpers import CUDA_DEVICE_LISTS, RunIf
 
 CPU2 = [torch.device("cpu")] * 2
@@ -469,3 +470,54 @@ def test_cuda_dropout_recompute_and_deferred_batchnorm(devices: list[torch.devic
         grads[checkpoint] = [p.grad.cpu() for p in model.parameters()]
     for a, b in zip(grads["always"], grads["never"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+# Copies must wait for the stream that made the tensor, and the consumer for the copy: a producer (or a copy stream)
+# that sleeps first shows a missing wait as wrong values. About 50 ms of sleep at ~1 GHz.
+_SLEEP_CYCLES = 50_000_000
+
+
+@RunIf(min_cuda_gpus=1)
+@pytest.mark.parametrize("target", ["cuda:0", "cpu"], ids=["same-gpu-other-stream", "gpu-to-host"])
+def test_copy_from_a_gpu_waits_for_the_producing_stream(target: str) -> None:
+    gpu = torch.device("cuda", 0)
+    producer = torch.cuda.Stream(gpu)
+    with torch.cuda.stream(producer):
+        x = torch.zeros(1 << 20, device=gpu)
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        x.fill_(1.0)
+    moved = copy_to_device(x, torch.device(target), CopyStreams(), source=producer)
+    assert moved.device == torch.device(target)
+    assert bool((moved == 1).all())  # on the current stream, which must have waited for `producer`
+
+
+@RunIf(min_cuda_gpus=1)
+def test_copy_from_the_host_is_waited_for_by_the_consumer_stream() -> None:
+    gpu = torch.device("cuda", 0)
+    streams = CopyStreams()
+    copy_stream = streams.get(gpu)
+    assert copy_stream is not None and copy_stream != torch.cuda.current_stream(gpu)
+    with torch.cuda.stream(copy_stream):
+        torch.cuda._sleep(_SLEEP_CYCLES)  # the copy queues behind this
+    x = torch.arange(1 << 20, dtype=torch.float32, requires_grad=True)
+    moved = copy_to_device(x, gpu, streams)
+    assert torch.equal((moved * 1).cpu(), x.detach())  # `* 1` on the current stream, after the copy
+    moved.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+@RunIf(min_cuda_gpus=2)
+def test_copy_between_gpus_enters_both_copy_streams_and_waits_for_the_producer() -> None:
+    source, target = torch.device("cuda", 1), torch.device("cuda", 0)
+    producer = torch.cuda.Stream(source)
+    with torch.cuda.stream(producer):
+        x = torch.zeros(1 << 20, device=source)
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        x.fill_(1.0)
+    x.requires_grad_(True)
+    moved = copy_to_device(x, target, CopyStreams(), source=producer)
+    assert moved.device == target
+    assert bool((moved == 1).all())
+    moved.sum().backward()
+    torch.cuda.synchronize()
+    assert x.grad is not None and bool((x.grad == 1).all())

@@ -139,21 +139,22 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         """Each partition's layers straight onto its device, the rest of the module onto the root device.
 
         The pipelined Sequential never passes through the root device as a whole (the model gpipe exists for does not
-        fit there): it is set aside while the rest moves. Before the balance is chosen (``balance="auto"``, measured
-        on the first batch), its layers stay where they were made; the measurement moves one layer at a time.
+        fit there): its slot in the module is emptied while the rest moves, and filled again in place, so the order of
+        the parameters (which the optimizer's state_dict refers to by position) and of the state_dict keys is that of
+        the unpipelined module. Before the balance is chosen (``balance="auto"``, measured on the first batch), its
+        layers stay where they were made; the measurement moves one layer at a time.
         """
         assert self.model is not None
         pipe = self._pipe
         module = self.lightning_module
-        if pipe is None or module is None or getattr(module, self.module_name, None) is not pipe:
+        if pipe is None or module is None or module._modules.get(self.module_name) is not pipe:
             self.model.to(self.root_device)
             return
-        del module._modules[self.module_name]  # set aside: `.to` reaches everything but the pipeline
+        module._modules[self.module_name] = None  # `Module._apply` skips an empty slot; the key keeps its position
         try:
             self.model.to(self.root_device)
         finally:
             module._modules[self.module_name] = pipe
-        assert pipe is not None
         pipe.place()
         self._optimizer_states_to_parameter_devices()
 
@@ -179,12 +180,24 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         self._optimizer_states_to_parameter_devices()
 
     def _optimizer_states_to_parameter_devices(self) -> None:
+        """Each optimizer state tensor onto its parameter's device, as ``Optimizer.load_state_dict`` places it.
+
+        ``step`` stays where it is (on the host) unless the parameter's group is ``capturable`` or ``fused``, whose
+        kernels read it on the parameter's device.
+        """
         for optimizer in self.optimizers:
+            on_device = {
+                id(p): bool(group.get("capturable") or group.get("fused"))
+                for group in optimizer.param_groups
+                for p in group["params"]
+            }
             for param, state in optimizer.state.items():
                 if not isinstance(param, Tensor) or not isinstance(state, dict):
                     continue
                 for key, value in state.items():
-                    if key != "step" and isinstance(value, Tensor) and value.device != param.device:
+                    if key == "step" and not on_device.get(id(param), False):
+                        continue
+                    if isinstance(value, Tensor) and value.device != param.device:
                         state[key] = value.to(param.device)
 
     # ---- setup and teardown ----------------------------------------------------------------------------------------
