@@ -12,7 +12,7 @@ Build against the installed torch: ``pip install --no-build-isolation -e ".[test
 The extension always links the shared libstdc++, the one torch uses, even when the compiler links it statically
 (``-static-libstdc++`` in ``LDFLAGS`` or in its specs): a private copy breaks the C++ streams ``TORCH_CHECK`` formats
 its messages with (truncated messages, or a crash). After linking, the ``.so``'s dynamic section is read; one that
-still needs no ``libstdc++.so`` is deleted and the build fails naming the cause.
+still needs no ``libstdc++.so`` is deleted and the build fails naming the cause (on Linux).
 
 The toolkit is ``CUDA_HOME`` (or ``CUDA_PATH``) when set, else the directory of ``nvcc``'s real executable (symlinks
 and wrapper scripts followed, as ``nvcc`` itself reports it), else ``/usr/local/cuda``. torch's own guess, the parent
@@ -215,8 +215,13 @@ def needed_libraries(path: Path) -> list[str] | None:
     return needed
 
 
-def check_shared_libstdcxx(path: Path) -> None:
-    """Raise ``SystemExit`` (after deleting ``path``) when an ELF ``path`` carries its own static libstdc++."""
+def check_shared_libstdcxx(path: Path, platform: str = sys.platform) -> None:
+    """Raise ``SystemExit`` (after deleting ``path``) when an ELF ``path`` carries its own static libstdc++.
+
+    Linux only, as torch's Linux builds use libstdc++; elsewhere (macOS, Windows, a BSD's libc++) nothing is checked.
+    """
+    if not platform.startswith("linux"):
+        return
     needed = needed_libraries(path)
     if needed is None or any(name.startswith("libstdc++.so") for name in needed):
         return

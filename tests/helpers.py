@@ -49,9 +49,14 @@ def gpu_ids(devices: list[torch.device]) -> list[int]:
     return sorted({d.index or 0 for d in devices})
 
 
+def whole_message(message: str) -> str:
+    """A ``match=`` pattern for exactly ``message``: a truncated or garbled message does not match."""
+    return f"^{re.escape(message)}$"
+
+
 def raises_exactly(error: type[BaseException], message: str) -> Any:
     """``pytest.raises`` that matches the **whole** message, so a truncated or garbled message fails the test."""
-    return pytest.raises(error, match=f"^{re.escape(message)}$")
+    return pytest.raises(error, match=whole_message(message))
 
 
 def quiet_trainer(strategy: Any = "auto", devices: Any = 1, **kwargs: Any) -> pl.Trainer:
