@@ -211,6 +211,19 @@ class LRScaledDDP(_StrategyBase):
             for group, lr in zip(optimizer.param_groups, scheduled, strict=True):
                 group["lr"] = lr
 
+    @override
+    def teardown(self) -> None:
+        """As DDP's, then a spawned or forked worker ends its process group before its process exits.
+
+        Such a worker exits as soon as the run returns, and torch's gloo backend (2.13 and 2.14 at least), left for
+        interpreter exit, sometimes aborts a finished worker there ("terminate called without an active exception"),
+        which fails the whole launch. The script launcher's processes keep theirs: the user's script goes on.
+        """
+        super().teardown()
+        spawned = getattr(self, "_start_method", "popen") in ("spawn", "fork", "forkserver")
+        if spawned and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
