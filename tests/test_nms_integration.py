@@ -149,8 +149,10 @@ def test_bad_input_raises_the_same_error_in_eager_and_compiled_mode(op: str, arg
         _call(op, args)
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: _call(op, a), fullgraph=True, backend="aot_eager")
-    with raises_exactly(error, message.format(op=op)):
+    with pytest.raises(error) as info:
         compiled(*args)
+    # Our whole message is the first line: older torch (2.4) appends the FX node it ran ("While executing %nms ...").
+    assert str(info.value).splitlines()[0] == message.format(op=op)
 
 
 @RunIf(compiled_ops=True)
