@@ -46,7 +46,7 @@ from lightning_balanced.strategies.replica_hooks import (
     replay_logs,
     share_metrics,
 )
-from lightning_balanced.strategies.single_process import SingleProcess
+from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 _REPORT_MEMORY_AFTER_STEPS = 3
 _RENDEZVOUS_TIMEOUT_S = 120.0
@@ -114,13 +114,13 @@ class BalancedDataParallel(SingleProcess):
         loss_reduction: Literal["mean", "sum"] = "mean",
         sync_batchnorm: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
+        parallel_devices: Sequence[torch.device | str] | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
-            parallel_devices=parallel_devices,
+            parallel_devices=parallel_devices_argument(parallel_devices, strategy=self.strategy_name, one_type=True),
             cluster_environment=None,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
@@ -430,15 +430,29 @@ class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
         loss_reduction: how the step's 0-dim floating outputs combine across replicas: ``"mean"`` (the step returns
             the mean over its chunk, the default) weights each by its chunk's share of the batch; ``"sum"`` (the step
             returns a sum over its chunk) adds them.
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``;
-            normally filled in by the ``Trainer`` from ``accelerator=`` and ``devices=``.
+        parallel_devices: one device per replica, normally filled in by the ``Trainer`` from ``accelerator=`` and
+            ``devices=``. Give it to run several replicas on one GPU: a device may repeat
+            (``[torch.device("cuda", 0)] * 2`` with ``Trainer(accelerator="cuda", devices=1)``), and each replica then
+            computes on a CUDA stream of its own (see below). Strings (``"cuda:0"``) are accepted; ``"cuda"`` is the
+            current GPU. CUDA and CPU devices cannot be mixed.
+        accelerator, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``.
+
+    One GPU, several replicas: with a GPU repeated in ``parallel_devices`` the step runs exactly as on that many GPUs
+    (same chunk plan, same results as the single-device step), every replica on its own CUDA stream. Each hand-off
+    between streams is ordered on the GPU, never by making the host wait: a replica's stream waits for the scatter and
+    the replication queued on the root's stream before it starts, the root's stream waits for every replica's stream
+    before the gather, and the synchronized-BatchNorm exchange waits on events recorded after each replica's moments
+    and after their combination; tensors are recorded on the streams that use them. Replicas that share the root's
+    GPU get copies of its buffers, so only replica 0's running-statistics update persists, as on several GPUs. It is no
+    faster than one device; it is for trying a multi-GPU configuration (and running the multi-device code) on a
+    one-GPU machine. The memory report lists each replica and says which share a GPU.
 
     Raises:
         ValueError: more than one of ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative size; weights that are not
-            positive and finite; an unknown ``loss_reduction``. At setup: ``chunk_sizes`` or ``weights`` whose length
-            differs from the number of devices.
-        TypeError: a non-integer size or non-real weight; at setup (or at the next step, for one compiled in a hook), a
-            compiled module.
+            positive and finite; an unknown ``loss_reduction``; an empty ``parallel_devices`` or one mixing CUDA and
+            CPU devices. At setup: ``chunk_sizes`` or ``weights`` whose length differs from the number of devices.
+        TypeError: a non-integer size or non-real weight; ``parallel_devices`` not a list of devices; at setup (or at
+            the next step, for one compiled in a hook), a compiled module.
 
     Source: Lightning 1.9's ``DataParallelStrategy`` (removed in 2.0) and the ``BalancedDataParallel`` of
     transformer-xl, with the loss weighted by chunk size instead of an unweighted mean.

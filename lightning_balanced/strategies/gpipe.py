@@ -29,7 +29,7 @@ from lightning_balanced.pipeline.balance import (
     split_costs,
 )
 from lightning_balanced.pipeline.pipe import validate_balance, validate_checkpoint, validate_chunks
-from lightning_balanced.strategies.single_process import SingleProcess
+from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 __all__ = ["GPipeStrategy"]
 
@@ -76,16 +76,22 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             are those of the whole mini-batch (each micro-batch is still normalized with its own statistics).
         module_name: the attribute of the LightningModule that holds the ``nn.Sequential`` (Lightning 1.x's
             ``DDPSequentialPlugin`` used ``sequential_module``).
-        accelerator, parallel_devices, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``;
-            normally filled in by the ``Trainer`` from ``accelerator=`` and ``devices=``.
+        parallel_devices: one device per partition, normally filled in by the ``Trainer`` from ``accelerator=`` and
+            ``devices=``. A device may repeat: ``[torch.device("cuda", 0)] * 2`` with
+            ``Trainer(accelerator="cuda", devices=1)`` runs two partitions on one GPU, each computing on a CUDA
+            stream of its own (as torchgpipe allows), with a micro-batch handed from one partition's stream to the
+            next by a GPU-side wait; ``[torch.device("cuda", 0), torch.device("cpu")]`` keeps the last partition in
+            host memory. Strings (``"cuda:0"``) are accepted; ``"cuda"`` is the current GPU.
+        accelerator, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``.
 
     Raises:
         TypeError: ``balance`` not a list of ints or a method name, ``chunks`` not an int, ``module_name`` not a string,
-            ``deferred_batch_norm`` not a bool; at setup, the attribute is not an ``nn.Sequential``; in a step, a layer
-            that returns a non-tensor where the next one expects a tensor.
-        ValueError: ``chunks`` < 1, an unknown ``checkpoint`` or balance method, a ``balance`` entry < 1; at setup, a
-            missing attribute, ``sum(balance)`` other than the number of layers, more partitions than devices, fewer
-            layers than devices (``balance=None``), a parameter shared by two partitions, ``sync_batchnorm=True``.
+            ``deferred_batch_norm`` not a bool, ``parallel_devices`` not a list of devices; at setup, the attribute is
+            not an ``nn.Sequential``; in a step, a layer that returns a non-tensor where the next one expects a tensor.
+        ValueError: ``chunks`` < 1, an unknown ``checkpoint`` or balance method, a ``balance`` entry < 1, an empty
+            ``parallel_devices``; at setup, a missing attribute, ``sum(balance)`` other than the number of layers, more
+            partitions than devices, fewer layers than devices (``balance=None``), a parameter shared by two
+            partitions, ``sync_batchnorm=True``.
 
     Source: GPipe (Huang et al., NeurIPS 2019) and torchgpipe (Lee et al., 2020): micro-batches, the clock-cycle
     schedule, fork/join dependencies, copy streams, checkpoint/recompute, ``DeferredBatchNorm``, balancing by time and
@@ -102,13 +108,13 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         deferred_batch_norm: bool = True,
         module_name: str = "sequential_module",
         accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
+        parallel_devices: Sequence[torch.device | str] | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
-            parallel_devices=parallel_devices,
+            parallel_devices=parallel_devices_argument(parallel_devices, strategy=self.strategy_name, one_type=False),
             cluster_environment=None,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +16,63 @@ if TYPE_CHECKING:
 else:
     _StrategyBase = object
 
-__all__ = ["SingleProcess"]
+__all__ = ["SingleProcess", "parallel_devices_argument"]
+
+
+# What one entry of `parallel_devices` holds, for messages.
+_UNIT = {"balanced_dp": "replica", "gpipe": "partition"}
+
+
+def parallel_devices_argument(
+    devices: Sequence[torch.device | str] | None, *, strategy: str, one_type: bool
+) -> list[torch.device] | None:
+    """A strategy's ``parallel_devices`` argument as a list of ``torch.device``, checked; ``None`` stays ``None``.
+
+    A device may repeat: ``[torch.device("cuda", 0)] * 2`` puts two replicas (partitions) on one GPU, each computing on
+    a CUDA stream of its own, and ``[torch.device("cpu")] * 3`` is what ``Trainer(accelerator="cpu", devices=3)``
+    gives (virtual devices ``cpu:0``, ``cpu:1``, ...). Strings become devices (``"cuda:0"``), and a CUDA device
+    without an index (``"cuda"``) is the current CUDA device, as everywhere in torch; Lightning reads the list before
+    the strategy's setup (its first device picks the accelerator) and needs indexed GPUs (without CUDA, ``"cuda"`` is
+    left as it is, and Lightning refuses the accelerator).
+
+    Args:
+        devices: the argument, or ``None`` (the Trainer fills it in from ``accelerator=`` and ``devices=``).
+        strategy (str): the strategy's name, for messages.
+        one_type (bool): refuse a list that mixes device types (``balanced_dp`` replicates over GPUs or over the
+            CPU, not both; ``gpipe`` may keep a partition in host memory).
+
+    Returns:
+        list[torch.device] | None: a new list, or ``None``.
+
+    Raises:
+        TypeError: ``devices`` is not a list or tuple of ``torch.device`` or ``str``.
+        ValueError: an empty list, a string that is not a device, or (``one_type``) devices of several types.
+    """
+    if devices is None:
+        return None
+    unit = _UNIT.get(strategy, "device")
+    if not isinstance(devices, (list, tuple)) or not all(isinstance(d, (torch.device, str)) for d in devices):
+        raise TypeError(
+            f"`parallel_devices` must be a list of torch.device (one per {unit}, repeats allowed), got {devices!r}"
+        )
+    if not devices:
+        raise ValueError(f"`parallel_devices` must name at least one device for strategy={strategy!r}, got []")
+    try:
+        parsed = [torch.device(d) for d in devices]
+    except RuntimeError as err:
+        raise ValueError(f"`parallel_devices` {list(devices)!r} holds a string that is not a device: {err}") from err
+    if any(d.type == "cuda" and d.index is None for d in parsed) and torch.cuda.is_available():
+        # Without CUDA an unindexed "cuda" stays as it is: Lightning then refuses the CUDA accelerator itself.
+        current = torch.device("cuda", torch.cuda.current_device())
+        parsed = [current if d.type == "cuda" and d.index is None else d for d in parsed]
+    types = list(dict.fromkeys(d.type for d in parsed))
+    if one_type and len(types) > 1:
+        raise ValueError(
+            f"`parallel_devices` mixes device types {types} ({[str(d) for d in parsed]}): strategy={strategy!r}"
+            f" runs its {unit}s on devices of one type. For several {unit}s on one GPU, repeat it:"
+            " `[torch.device('cuda', 0)] * 2`"
+        )
+    return parsed
 
 
 class SingleProcess(_StrategyBase):
