@@ -423,10 +423,14 @@ def test_layers_found_once_check_their_arguments_as_attach_step() -> None:
 
 
 @pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
-def test_the_statistics_exchange_on_cuda_never_makes_the_host_wait(devices: list[torch.device]) -> None:
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_the_statistics_exchange_on_cuda_never_makes_the_host_wait(
+    devices: list[torch.device], momentum: float | None
+) -> None:
     # torch's sync debug mode raises on any operation that synchronizes the host with the GPU (a blocking copy from
-    # pageable memory, .item(), ...): the exchange orders the replicas' streams with events instead.
-    case = Case("2d", (3, 5))
+    # pageable memory, .item(), ...): the exchange orders the replicas' streams with events instead. With
+    # momentum=None the running statistics' factor 1 / num_batches_tracked stays on the GPU.
+    case = Case("2d", (3, 5), momentum=momentum)
     model = convert_replica_batchnorm(_model(case)).to(devices[0])
     x, _ = (t.to(devices[0]) for t in _data(case, 0))
     _replica_forward(model, x, case.chunk_sizes, devices)  # warm-up: kernels loaded, library handles made

@@ -316,19 +316,26 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         return total.mean, var, ready(device)
 
     def _update_running_stats(self, mean: Tensor, unbiased_var: Tensor) -> None:
-        """Once per step, on the original layer's buffers: torch's ``_BatchNorm`` update rule."""
+        """Once per step, on the original layer's buffers: torch's ``_BatchNorm`` update rule, without a host sync."""
         origin = self._sync_origin if self._sync_origin is not None else self
         with torch.no_grad():
-            factor = 0.0 if origin.momentum is None else origin.momentum
-            if origin.num_batches_tracked is not None:
-                origin.num_batches_tracked.add_(1)
-                if origin.momentum is None:
-                    factor = 1.0 / float(origin.num_batches_tracked)
-            running_mean, running_var = origin.running_mean, origin.running_var
-            if running_mean is not None:
-                running_mean.mul_(1.0 - factor).add_(mean.to(running_mean), alpha=factor)
-            if running_var is not None:
-                running_var.mul_(1.0 - factor).add_(unbiased_var.to(running_var), alpha=factor)
+            factor: float | Tensor = 0.0 if origin.momentum is None else origin.momentum
+            tracked = origin.num_batches_tracked
+            if tracked is not None:
+                tracked.add_(1)
+                if origin.momentum is None and tracked.device.type == "cpu":
+                    factor = 1.0 / float(tracked)  # as torch's _BatchNorm; free on the host
+                elif origin.momentum is None:
+                    # float() of a GPU tensor makes the host wait for every kernel queued before it: the cumulative
+                    # average's factor stays on the device (float64: 1/n and 1 - 1/n as Python computes them).
+                    factor = tracked.to(torch.float64).reciprocal()
+            for running, value in ((origin.running_mean, mean), (origin.running_var, unbiased_var)):
+                if running is None:
+                    continue
+                if isinstance(factor, Tensor):
+                    running.mul_(1.0 - factor).add_(value.to(running) * factor)
+                else:
+                    running.mul_(1.0 - factor).add_(value.to(running), alpha=factor)
 
 
 def convert_replica_batchnorm(module: Module) -> Module:
