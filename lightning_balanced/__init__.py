@@ -4,17 +4,18 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 ``Trainer(strategy="ddp_lr_linear")`` and ``Trainer(strategy="gpipe")`` work.
 """
 
-from lightning_balanced.detection import coco_map, postprocess_detections
-from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
+from lightning_balanced import _moved_modules
+from lightning_balanced.data_parallel import plan_chunk_sizes
+from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset, coco_map, postprocess_detections
 from lightning_balanced.lr_scaling import unscale_learning_rates
-from lightning_balanced.parallel import plan_chunk_sizes
+from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
 from lightning_balanced.strategies import BalancedDataParallelStrategy, GPipeStrategy, LRScaledDDPStrategy
 from lightning_balanced.strategies.registration import register_strategies
-from lightning_balanced.sync_batchnorm import SyncBatchNorm
 
 __version__ = "0.1.0.dev0"
 
 register_strategies()
+_moved_modules.install()
 
 __all__ = [
     "BalancedDataParallelStrategy",

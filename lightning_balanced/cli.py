@@ -2,7 +2,7 @@
 
 ``lightning-balanced fit --config job.yaml`` (or ``python -m lightning_balanced ...``) is ``LightningCLI`` with any
 ``LightningModule`` and ``LightningDataModule`` given by ``class_path`` in the config, and every strategy of this
-package and of the installed plugins (:mod:`lightning_balanced.plugins`) available by name, e.g. ``strategy:
+package and of the installed plugins (:mod:`lightning_balanced.entry_points`) available by name, e.g. ``strategy:
 balanced_dp``, ``strategy: ddp_lr_sqrt`` or the ``class_path``/``init_args`` form.
 """
 
@@ -19,7 +19,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
-from lightning_balanced.plugins import load_strategy_plugins
+from lightning_balanced.entry_points import load_strategy_plugins
 
 __all__ = ["LightningBalancedCLI", "main"]
 
@@ -55,10 +55,10 @@ def _strategy_help() -> str:
 class LightningBalancedCLI(LightningCLI):
     """``LightningCLI`` that loads the strategy plugins first and takes model and data by ``class_path``.
 
-    Before the parser is built, :func:`~lightning_balanced.plugins.load_strategy_plugins` registers the strategies of
-    every installed plugin, so their names resolve in ``--trainer.strategy`` and in configs, and the working directory
-    is appended to the import path (as ``python -m`` does), so a ``class_path`` can name a module of the project you
-    run it from, e.g. ``examples.digits.DigitsClassifier`` from this repository's root.
+    Before the parser is built, :func:`~lightning_balanced.entry_points.load_strategy_plugins` registers the strategies
+    of every installed plugin, so their names resolve in ``--trainer.strategy`` and in configs, and the working
+    directory is appended to the import path (as ``python -m`` does), so a ``class_path`` can name a module of the
+    project you run it from, e.g. ``examples.digits.DigitsClassifier`` from this repository's root.
 
     Args:
         model_class: the base of the accepted models; any ``LightningModule`` by default.

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.cli import LightningBalancedCLI
-from lightning_balanced.plugins import ENTRY_POINT_GROUP
+from lightning_balanced.entry_points import ENTRY_POINT_GROUP
 from tests.fake_distribution import write_distribution
 from tests.helpers import ON_CPU
 

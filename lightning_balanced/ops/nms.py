@@ -45,7 +45,7 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, offset: int = 0) ->
     is not a tensor or a number) run while tracing, where ``torch._dynamo`` reports them as ``Unsupported``
     ("Observed exception"), with our ``TypeError`` as the cause from torch 2.10 on.
 
-    Differences from ``torchvision.ops.nms`` (0.29; tested in ``tests/test_nms_torchvision.py``): none on float
+    Differences from ``torchvision.ops.nms`` (0.29; tested in ``tests/ops/test_nms_torchvision.py``): none on float
     inputs except when an IoU equals ``iou_threshold`` exactly. torchvision divides in float32 and compares the
     rounded quotient with the float64 threshold, so e.g. IoU 1/3 (rounded up to 0.33333334) suppresses at
     threshold ``1/3``; here it never does (float64 input agrees with torchvision). torchvision also accepts no
@@ -86,7 +86,7 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
         TypeError: as in :func:`nms`, or if ``idxs`` is not a tensor of an integer dtype.
         ValueError: as in :func:`nms`, or if ``idxs`` is not ``(N,)`` on the device of ``boxes``.
 
-    Differences from ``torchvision.ops.batched_nms`` (0.29; each asserted in ``tests/test_nms_torchvision.py``).
+    Differences from ``torchvision.ops.batched_nms`` (0.29; each asserted in ``tests/ops/test_nms_torchvision.py``).
     The kept set and order are torchvision's except:
 
     1. Offset trick (torchvision, CPU, ``N <= 1000``): it shifts class ``c`` by ``c * (max coordinate + 1)`` in

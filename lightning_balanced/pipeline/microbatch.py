@@ -2,7 +2,7 @@
 
 A micro-batch is any structure Lightning batches have (a tensor, tuples, lists, dicts, namedtuples, dataclasses around
 tensors); tensors with a batch dimension are split along dim 0, 0-dim tensors and other leaves go whole to every
-micro-batch (the same rules as :func:`~lightning_balanced.parallel.scatter`, which does the split).
+micro-batch (the same rules as :func:`~lightning_balanced.data_parallel.scatter`, which does the split).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_balanced.parallel import gather, scatter
+from lightning_balanced.data_parallel import gather, scatter
 
 __all__ = ["flatten", "join", "plan_micro_batches", "split"]
 
@@ -62,9 +62,10 @@ def split(batch: Any, sizes: Sequence[int], device: torch.device) -> list[Any]:
 def join(outputs: Sequence[Any], sizes: Sequence[int], device: torch.device) -> Any:
     """Concatenate the micro-batches' outputs along dim 0 on ``device``, in order; the inverse of :func:`split`.
 
-    The micro-batches are combined as balanced_dp combines its chunks (:func:`~lightning_balanced.parallel.gather`):
-    batched tensors and per-sample lists concatenated, 0-dim floating tensors as their mean weighted by micro-batch
-    size, 0-dim integer/bool tensors summed, other leaves equal in every output kept once.
+    The micro-batches are combined as balanced_dp combines its chunks
+    (:func:`~lightning_balanced.data_parallel.gather`): batched tensors and per-sample lists concatenated, 0-dim
+    floating tensors as their mean weighted by micro-batch size, 0-dim integer/bool tensors summed, other leaves equal
+    in every output kept once.
     """
     return gather(outputs, device, list(sizes))
 

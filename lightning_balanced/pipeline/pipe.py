@@ -11,9 +11,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_balanced.parallel import infer_batch_size
-from lightning_balanced.parallel.stream_order import record_on
-from lightning_balanced.parallel.virtual_device import VirtualDeviceMode
+from lightning_balanced.data_parallel import infer_batch_size
+from lightning_balanced.data_parallel.stream_order import record_on
+from lightning_balanced.data_parallel.virtual_device import VirtualDeviceMode
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.checkpoint import Checkpointing
 from lightning_balanced.pipeline.dependency import depend

@@ -20,7 +20,7 @@ from torch.nn import Module
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_balanced.parallel import (
+from lightning_balanced.data_parallel import (
     check_replicable,
     gather,
     infer_batch_size,
@@ -30,15 +30,14 @@ from lightning_balanced.parallel import (
     split_policy,
     virtual_devices,
 )
-from lightning_balanced.parallel.chunk_sizes import ExplicitChunkSizes, Gpu0Budget, WeightedSplit
-from lightning_balanced.parallel.sync_batchnorm import (
+from lightning_balanced.data_parallel.replica_batchnorm import (
     SyncBatchNormAborted,
     SyncBatchNormLayers,
     SyncBatchNormStep,
     convert_replica_batchnorm,
     revert_replica_batchnorm,
 )
-from lightning_balanced.strategies.replica_hooks import (
+from lightning_balanced.data_parallel.replica_context import (
     Rendezvous,
     ReplicaLogRecorder,
     find_metrics,
@@ -46,6 +45,7 @@ from lightning_balanced.strategies.replica_hooks import (
     replay_logs,
     share_metrics,
 )
+from lightning_balanced.data_parallel.split_policy import ExplicitChunkSizes, Gpu0Budget, WeightedSplit
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 _REPORT_MEMORY_AFTER_STEPS = 3
@@ -228,7 +228,8 @@ class BalancedDataParallel(SingleProcess):
     def plan(self, batch_size: int) -> list[int]:
         """The chunk sizes, one per device (``0`` = left out), for a batch of ``batch_size`` samples.
 
-        The same rule in every loop: :func:`~lightning_balanced.parallel.plan_chunk_sizes` with this strategy's option.
+        The same rule in every loop: :func:`~lightning_balanced.data_parallel.plan_chunk_sizes` with this strategy's
+        option.
         """
         assert self.parallel_devices is not None
         return self.split_policy.plan(batch_size, len(self.parallel_devices))
@@ -367,15 +368,16 @@ class BalancedDataParallel(SingleProcess):
 class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
     """Single-process data parallel over several devices, each taking a chunk of the batch you choose.
 
-    Every step, the batch is split along dim 0 by a chunk plan (:func:`~lightning_balanced.parallel.plan_chunk_sizes`,
-    the one rule for all four loops), the LightningModule is replicated from the root device (``devices[0]``) to the
-    devices that got samples, the step (``training_step``, ``validation_step``, ``test_step`` or ``predict_step``)
-    runs on those replicas at once, and the outputs are gathered on the root device in batch order. On CUDA these are
-    torch's ``scatter``/``replicate``/``parallel_apply``/``gather``; on CPU the same code runs over virtual devices
-    ``cpu:0``, ``cpu:1``, ... (one thread per replica) that keep the rules of GPUs: replica ``i`` computes on
-    ``cpu:i`` (``self.device`` in its step), and combining tensors of two replicas without moving them raises as on
-    GPUs. So ``Trainer(accelerator="cpu", devices=N, strategy="balanced_dp")`` behaves like N GPUs would. A batch of 0
-    samples runs on the root device alone, as on one device.
+    Every step, the batch is split along dim 0 by a chunk plan
+    (:func:`~lightning_balanced.data_parallel.plan_chunk_sizes`, the one rule for all four loops), the LightningModule
+    is replicated from the root device (``devices[0]``) to the devices that got samples, the step (``training_step``,
+    ``validation_step``, ``test_step`` or ``predict_step``) runs on those replicas at once, and the outputs are gathered
+    on the root device in batch order. On CUDA these are torch's
+    ``scatter``/``replicate``/``parallel_apply``/``gather``; on CPU the same code runs over virtual devices ``cpu:0``,
+    ``cpu:1``, ... (one thread per replica) that keep the rules of GPUs: replica ``i`` computes on ``cpu:i``
+    (``self.device`` in its step), and combining tensors of two replicas without moving them raises as on GPUs. So
+    ``Trainer(accelerator="cpu", devices=N, strategy="balanced_dp")`` behaves like N GPUs would. A batch of 0 samples
+    runs on the root device alone, as on one device.
 
     Step outputs are combined so that they equal what one device returns for the whole batch:
 

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_balanced.parallel import virtual_devices
+from lightning_balanced.data_parallel import virtual_devices
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
 from lightning_balanced.pipeline.balance import (
     BalanceMethod,

@@ -4,8 +4,8 @@ Lightning fills its registry only from its own modules; other packages' strategi
 the ``register_strategies(registry)`` classmethod of each ``Strategy`` class. ``import lightning_balanced`` calls
 :func:`register_strategies` once. The unified ``lightning`` package (``lightning.pytorch``) and the standalone
 ``pytorch_lightning`` package keep separate registries and separate base classes: the second gets the classes of
-:mod:`lightning_balanced.strategies.standalone`. Third-party strategies join through the
-``lightning.pytorch.strategies`` entry-point group: see :mod:`lightning_balanced.plugins`.
+:mod:`lightning_balanced.strategies.pytorch_lightning_compat`. Third-party strategies join through the
+``lightning.pytorch.strategies`` entry-point group: see :mod:`lightning_balanced.entry_points`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_balanced.strategies.balanced_dp import BalancedDataParallelStrategy
-from lightning_balanced.strategies.ddp import LRScaledDDPStrategy
+from lightning_balanced.strategies.ddp_lr import LRScaledDDPStrategy
 from lightning_balanced.strategies.gpipe import GPipeStrategy
 
 __all__ = ["STRATEGIES", "StrategyNameConflict", "register_strategies", "register_strategy"]
@@ -85,9 +85,9 @@ def _registries() -> list[tuple[Any, tuple[type, ...]]]:
     if importlib.util.find_spec("pytorch_lightning") is not None:
         from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
 
-        from lightning_balanced.strategies import standalone
+        from lightning_balanced.strategies import pytorch_lightning_compat
 
-        registries.append((StandaloneRegistry, standalone.STRATEGIES))
+        registries.append((StandaloneRegistry, pytorch_lightning_compat.STRATEGIES))
     return registries
 
 

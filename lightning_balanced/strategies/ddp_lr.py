@@ -1,0 +1,286 @@
+"""DDP that scales the learning rate with the effective batch size and synchronizes BatchNorm, also on CPU."""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.layer_sync import LayerSync
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch.nn import Module
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_balanced.lr_scaling import (
+    LR_SCALE_FACTOR_KEY,
+    effective_batch_size,
+    lr_scale_factor,
+    rescale_learning_rates,
+    validate_policy,
+    warmup_multiplier,
+)
+from lightning_balanced.nn.conversion import revert_batchnorm
+
+# Set on the LightningModule by a `Tuner.lr_find` run under this strategy: the learning rate it suggests was found at
+# this factor's effective batch, so the next fit treats it as already scaled by it.
+_LR_FOUND_AT_FACTOR = "_lightning_balanced_lr_found_at_factor"
+
+
+class DeviceSyncBatchNorm(LayerSync):
+    """Lightning ``LayerSync`` plugin: torch's ``SyncBatchNorm`` on CUDA, ours elsewhere; reverts to the user's layers.
+
+    :meth:`revert` puts the very BatchNorm objects :meth:`apply` replaced back into the model (their class, hooks and
+    attributes intact), wherever the synchronized layers are now, holding their current parameters, buffers,
+    hyperparameters and training flag.
+
+    Args:
+        device_type (Callable[[], str]): returns the type of the strategy's root device when :meth:`apply` runs.
+    """
+
+    def __init__(self, device_type: Callable[[], str]) -> None:
+        self._device_type = device_type
+        self._originals: dict[Module, _BatchNorm] = {}
+
+    @override
+    def apply(self, model: Module) -> Module:
+        """Replace every BatchNorm layer of ``model`` by a synchronized one sharing its parameters and buffers."""
+        from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
+
+        originals = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
+        if self._device_type() == "cuda":
+            converted: Module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:
+            converted = SyncBatchNorm.convert_sync_batchnorm(model)
+        # Each synchronized layer -> the user's layer it replaced (torch's converter keeps no link back).
+        synced = {name: converted.get_submodule(name) for name in originals}
+        self._originals = {synced[name]: m for name, m in originals.items() if synced[name] is not m}
+        return converted
+
+    @override
+    def revert(self, model: Module) -> Module:
+        """Put the user's BatchNorm layers back, with the trained state of the synchronized ones."""
+        originals, self._originals = self._originals, {}
+        return revert_batchnorm(model, originals.get)
+
+
+def _train_batch_size(trainer: pl.Trainer) -> int | None:
+    loader = trainer.train_dataloader
+    if isinstance(loader, DataLoader):
+        if loader.batch_size is not None:
+            return loader.batch_size
+        return getattr(loader.batch_sampler, "batch_size", None)
+    return None
+
+
+if TYPE_CHECKING:
+    _StrategyBase = DDPStrategy
+else:
+    _StrategyBase = object
+
+
+class LRScaledDDP(_StrategyBase):
+    """The implementation of :class:`LRScaledDDPStrategy`, free of a Lightning base class.
+
+    Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`LRScaledDDPStrategy`; combined with the
+    standalone ``pytorch_lightning`` package's, it is
+    :class:`lightning_balanced.strategies.pytorch_lightning_compat.LRScaledDDPStrategy`. The two differ only in
+    ``_lightning_package``, the package whose Lightning classes it recognizes.
+    """
+
+    strategy_name = "ddp_lr"
+    #: The Lightning package of the base class: where ``TorchSyncBatchNorm`` and the LR finder's callback come from.
+    _lightning_package: ClassVar[str] = "lightning.pytorch"
+
+    def __init__(
+        self,
+        lr_scaling: str = "linear",
+        reference_batch_size: int | None = None,
+        warmup_steps: int = 0,
+        sync_batchnorm: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.lr_scaling = validate_policy(lr_scaling)
+        if reference_batch_size is not None:
+            if isinstance(reference_batch_size, bool) or not isinstance(reference_batch_size, numbers.Integral):
+                raise TypeError(f"`reference_batch_size` must be an integer, got {reference_batch_size!r}")
+            if reference_batch_size < 1:
+                raise ValueError(f"`reference_batch_size` must be >= 1, got {reference_batch_size}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral):
+            raise TypeError(f"`warmup_steps` must be an integer, got {warmup_steps!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}")
+        self.reference_batch_size: int | None = reference_batch_size
+        self.warmup_steps: int = int(warmup_steps)
+        self.sync_batchnorm: bool = sync_batchnorm
+        self.lr_scale_factor: float = 1.0
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # The accelerator connector overwrites `_layer_sync` after __init__, so the default is applied here. torch's
+        # SyncBatchNorm (what `Trainer(sync_batchnorm=True)` puts there) refuses CPU: replace it by ours.
+        layer_sync = importlib.import_module(f"{self._lightning_package}.plugins.layer_sync")
+        torch_sync_batchnorm = layer_sync.TorchSyncBatchNorm
+        if self.sync_batchnorm and (self._layer_sync is None or isinstance(self._layer_sync, torch_sync_batchnorm)):
+            self._layer_sync = DeviceSyncBatchNorm(lambda: self.root_device.type)
+        super().setup(trainer)
+
+    def scale_factor(self, trainer: pl.Trainer) -> tuple[float, str]:
+        """The factor for the current run and a sentence that explains it."""
+        accumulate = trainer.accumulate_grad_batches
+        if self.reference_batch_size is None:
+            factor = lr_scale_factor(self.lr_scaling, self.world_size * accumulate, 1)
+            return factor, (
+                f"world_size {self.world_size} x accumulate_grad_batches {accumulate} against one device without"
+                " accumulation"
+            )
+        per_device = _train_batch_size(trainer)
+        if per_device is None:
+            raise ValueError(
+                "`reference_batch_size` needs the per-device batch size, but the train dataloader has none that can be"
+                " read (a DataLoader with `batch_size` or a `batch_sampler.batch_size` is needed); use"
+                " `reference_batch_size=None` to scale by world_size x accumulate_grad_batches"
+            )
+        effective = effective_batch_size(per_device, self.world_size, accumulate)
+        factor = lr_scale_factor(self.lr_scaling, effective, self.reference_batch_size)
+        return factor, (
+            f"effective batch {effective} (per-device {per_device} x world_size {self.world_size} x"
+            f" accumulate_grad_batches {accumulate}) against reference_batch_size {self.reference_batch_size}"
+        )
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        factor, why = self.scale_factor(trainer)
+        if self._is_lr_find_run(trainer):
+            # The finder sweeps absolute learning rates at this effective batch: leave them alone, and remember that
+            # what it suggests is already right for this factor.
+            setattr(module, _LR_FOUND_AT_FACTOR, factor)
+            return
+        found_at = getattr(module, _LR_FOUND_AT_FACTOR, None)
+        ratios = []
+        for index, optimizer in enumerate(self.optimizers):
+            if found_at is not None:
+                for group in optimizer.param_groups:
+                    group.setdefault(LR_SCALE_FACTOR_KEY, found_at)
+            schedulers = [c.scheduler for c in self.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
+            ratio = rescale_learning_rates(optimizer, schedulers, factor)
+            ratios.append(ratio)
+            lrs = ", ".join(f"{group['lr']:.6g}" for group in optimizer.param_groups)
+            rank_zero_info(
+                f"lr scaling ({self.lr_scaling}): factor {factor:.6g} from {why}; optimizer {index}"
+                f" ({type(optimizer).__name__}) param group lrs now [{lrs}]"
+                + ("" if ratio == factor else f" (rescaled by {ratio:.6g} from a stored factor)")
+            )
+        self.lr_scale_factor = factor
+
+    def _is_lr_find_run(self, trainer: pl.Trainer) -> bool:
+        lr_callback = importlib.import_module(f"{self._lightning_package}.tuner.lr_finder")._LRCallback
+        return any(isinstance(callback, lr_callback) for callback in trainer.callbacks)  # type: ignore[attr-defined]
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        module = self.lightning_module
+        step = module.trainer.global_step if module is not None else 0
+        multiplier = warmup_multiplier(step, self.warmup_steps, self.lr_scale_factor)
+        if multiplier == 1.0:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        scheduled = [group["lr"] for group in optimizer.param_groups]
+        for group, lr in zip(optimizer.param_groups, scheduled, strict=True):
+            group["lr"] = lr * multiplier
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            for group, lr in zip(optimizer.param_groups, scheduled, strict=True):
+                group["lr"] = lr
+
+    @override
+    def teardown(self) -> None:
+        """As DDP's, then a spawned or forked worker ends its process group before its process exits.
+
+        Such a worker exits as soon as the run returns, and torch's gloo backend (2.13 and 2.14 at least), left for
+        interpreter exit, sometimes aborts a finished worker there ("terminate called without an active exception"),
+        which fails the whole launch. The script launcher's processes keep theirs: the user's script goes on.
+        """
+        super().teardown()
+        spawned = getattr(self, "_start_method", "popen") in ("spawn", "fork", "forkserver")
+        if spawned and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``ddp_lr_{linear,sqrt}`` and the ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` variants."""
+        for prefix, start_method in (
+            ("ddp", "popen"),
+            ("ddp_spawn", "spawn"),
+            ("ddp_fork", "fork"),
+            ("ddp_notebook", "fork"),
+        ):
+            for policy in ("linear", "sqrt"):
+                name = f"{prefix}_lr_{policy}"
+                if name not in strategy_registry:
+                    strategy_registry.register(
+                        name,
+                        cls,
+                        description=f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'",
+                        lr_scaling=policy,
+                        start_method=start_method,
+                    )
+
+
+class LRScaledDDPStrategy(LRScaledDDP, DDPStrategy):
+    """DDP that multiplies the learning rate by a factor of the effective batch size, with SyncBatchNorm by default.
+
+    The effective batch size is ``per-device batch x world_size (all nodes) x accumulate_grad_batches``. With
+    ``reference_batch_size=None`` the base learning rate counts as tuned on one device without accumulation, so the
+    factor is ``world_size x accumulate_grad_batches`` (linear) or its square root (sqrt); with a
+    ``reference_batch_size`` it is ``effective / reference`` or its square root.
+
+    The factor is applied once, at the start of fit, after the dataloader exists and after a checkpoint was restored:
+    multiplicatively to every param group (groups keep their ratios), ``initial_lr``, OneCycleLR's ``max_lr``/
+    ``min_lr``, and every scheduler's ``base_lrs`` and absolute floors (``eta_min``, ``min_lrs``), so the whole
+    schedule is ``factor`` times the unscaled one. The applied factor is stored in each param group
+    (``"lr_scale_factor"``), hence in every checkpoint: resuming on the same world size changes nothing, resuming on
+    another rescales by new/old, and nothing is scaled twice. A learning rate suggested by ``Tuner.lr_find`` under this
+    strategy was found at the effective batch and is not scaled again. Steps cost nothing extra (scaling happens at
+    setup), except during warmup.
+
+    SyncBatchNorm is on by default (``sync_batchnorm=True``): torch's ``nn.SyncBatchNorm`` on CUDA, our
+    :class:`~lightning_balanced.SyncBatchNorm` on CPU/gloo, applied at fit setup and reverted at teardown to the
+    user's original BatchNorm classes.
+
+    Args:
+        lr_scaling: ``"linear"`` (Goyal et al. 2017, SGD), ``"sqrt"`` (Krizhevsky 2014, Hoffer et al. 2017; Malladi et
+            al. 2022 for Adam-like optimizers) or ``"none"``.
+        reference_batch_size: the effective batch size the base learning rate was tuned for; ``None`` = the
+            dataloader's batch size on one device without accumulation.
+        warmup_steps: optimizer steps of gradual warmup (Goyal et al. 2017): the learning rate used by the optimizer
+            rises linearly from the unscaled base to the scaled value, then the schedule runs as configured. The
+            learning rates a scheduler or ``LearningRateMonitor`` reports are the scaled, un-warmed ones.
+        sync_batchnorm: convert BatchNorm layers to synchronized BatchNorm while fitting.
+        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``start_method``,
+            ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
+
+    Raises:
+        ValueError: unknown ``lr_scaling``, ``reference_batch_size < 1``, ``warmup_steps < 0``; at fit start, a
+            ``reference_batch_size`` when the dataloader's batch size cannot be read.
+        TypeError: ``reference_batch_size`` or ``warmup_steps`` not an integer.
+    """
