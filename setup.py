@@ -235,6 +235,19 @@ def check_shared_libstdcxx(path: Path, platform: str = sys.platform) -> None:
     )
 
 
+def extension_sources(root: Path) -> tuple[list[str], list[str]]:
+    """The sources of ``_C``, relative to ``root``: the C++ ones, and those that need a CUDA build.
+
+    ``csrc/module.cpp`` and every ``.cpp`` under ``csrc/ops/``, except that the ``.cu`` files and anything in a
+    ``cuda/`` folder compile only with the CUDA kernels. A new op is its own files: nothing here names one.
+    """
+    csrc = root / "csrc"
+    found = sorted(p for suffix in ("*.cpp", "*.cu") for p in (csrc / "ops").rglob(suffix))
+    cuda = [p for p in found if p.suffix == ".cu" or "cuda" in p.relative_to(csrc).parts]
+    cpu = [csrc / "module.cpp", *(p for p in found if p not in cuda)]
+    return [str(p.relative_to(root)) for p in cpu], [str(p.relative_to(root)) for p in cuda]
+
+
 def _extensions() -> tuple[list, dict]:
     if os.environ.get("LIGHTNING_BALANCED_NO_EXT", "0") == "1":
         _say("building no extension (LIGHTNING_BALANCED_NO_EXT=1); the ops will run a pure-PyTorch fallback")
@@ -242,14 +255,13 @@ def _extensions() -> tuple[list, dict]:
     use_cuda = _plan_cuda(_cuda_mode())
     from torch.utils import cpp_extension
 
-    csrc = Path("csrc")
-    sources = [str(csrc / "nms.cpp"), str(csrc / "cpu" / "nms_kernel.cpp"), str(csrc / "autocast" / "nms_autocast.cpp")]
+    sources, cuda_sources = extension_sources(ROOT)
     cxx_flags = ["-O3", "-ffp-contract=off", f"-DPy_LIMITED_API={PY_LIMITED_API_HEX}"]
     extra_compile_args = {"cxx": cxx_flags}
     extension = cpp_extension.CppExtension
     if use_cuda:
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]  # in case cpp_extension was imported before we chose
-        sources.append(str(csrc / "cuda" / "nms_kernel.cu"))
+        sources += cuda_sources
         # --threads 0: nvcc compiles the architectures in parallel, one per core
         extra_compile_args["nvcc"] = ["-O3", "--fmad=false", "--threads", "0", "-DLIGHTNING_BALANCED_WITH_CUDA"]
         cxx_flags.append("-DLIGHTNING_BALANCED_WITH_CUDA")
@@ -261,6 +273,7 @@ def _extensions() -> tuple[list, dict]:
     ext = extension(
         "lightning_balanced._C",
         sources,
+        include_dirs=[str(ROOT / "csrc")],
         extra_compile_args=extra_compile_args,
         extra_link_args=extra_link_args,
         py_limited_api=True,

@@ -92,8 +92,6 @@ def _needed_libraries(path: Path) -> list[str] | None:
 
 
 def check_extension(report: Report) -> None:
-    import torch
-
     report.step("extension")
     from lightning_balanced import ops
 
@@ -105,14 +103,13 @@ def check_extension(report: Report) -> None:
     spec = importlib.util.find_spec("lightning_balanced._C")
     so = Path(spec.origin) if spec is not None and spec.origin else None
     report.say(f"lightning_balanced._C: {so}")
-    # every op the extension defined (TORCH_LIBRARY schemas), so a new op is checked without editing this file
-    op_names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("lightning_balanced::"))
-    for op in op_names:
-        for key in ("CPU", "CUDA"):
-            registered = torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
-            report.say(f"{op} {key} kernel: {'registered' if registered else 'MISSING'}")
+    # every op the extension defined (its schemas, read from the dispatcher), so a new op is checked here too
+    for op, device_types in ops.registered_kernels().items():
+        for device_type in ("cpu", "cuda"):
+            registered = device_type in device_types
+            report.say(f"lightning_balanced::{op} {device_type} kernel: {'registered' if registered else 'MISSING'}")
             if not registered:
-                report.fail(f"no {key} kernel for {op}; rebuild with a CUDA toolkit (README)")
+                report.fail(f"no {device_type} kernel for lightning_balanced::{op}; rebuild with a CUDA toolkit")
     if so is not None:
         needed = _needed_libraries(so)
         if needed is None:

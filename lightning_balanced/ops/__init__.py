@@ -4,7 +4,7 @@ The compiled kernels live in ``lightning_balanced._C`` (``torch.ops.lightning_ba
 functions fall back to the pure-PyTorch reference and warn once (:class:`CompiledOpsMissingWarning`).
 """
 
-from lightning_balanced.ops._loader import CompiledOpsMissingWarning, has_compiled_ops
+from lightning_balanced.ops._loader import CompiledOpsMissingWarning, has_compiled_ops, registered_kernels
 from lightning_balanced.ops.nms import batched_nms, nms
 from lightning_balanced.ops.nms_reference import batched_nms_reference, nms_reference
 
@@ -15,4 +15,5 @@ __all__ = [
     "has_compiled_ops",
     "nms",
     "nms_reference",
+    "registered_kernels",
 ]

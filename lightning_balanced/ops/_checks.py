@@ -5,7 +5,7 @@ Two layers, each written once:
 * :func:`check_argument_types` checks what the compiled operator's dispatcher cannot see and would only report
   as a ``RuntimeError``: that the arguments are tensors and numbers. The public wrappers and the reference call it.
 * :func:`check_tensor_args`, :func:`check_idxs` and :func:`check_finite` are the pure-PyTorch copy of
-  ``csrc/nms_checks.h`` for the reference (the fallback when the compiled ops are missing). The compiled ops do
+  ``csrc/ops/nms_checks.h`` for the reference (the fallback when the compiled ops are missing). The compiled ops do
   these checks in C++ with the same messages, so the public wrappers never run them.
 """
 

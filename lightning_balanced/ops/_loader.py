@@ -8,7 +8,13 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["CompiledOpsMissingWarning", "has_compiled_ops", "has_kernel", "warn_fallback_once"]
+__all__ = [
+    "CompiledOpsMissingWarning",
+    "has_compiled_ops",
+    "has_kernel",
+    "registered_kernels",
+    "warn_fallback_once",
+]
 
 
 class CompiledOpsMissingWarning(UserWarning):
@@ -25,11 +31,33 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
 _C, _LOAD_ERROR = _load()
 
-# Which devices have a compiled kernel (the CUDA one exists only in CUDA builds of the extension).
-_KERNELS: dict[str, bool] = {
-    device_type: _C is not None and bool(torch._C._dispatch_has_kernel_for_dispatch_key("lightning_balanced::nms", key))
-    for device_type, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-}
+NAMESPACE = "lightning_balanced"
+
+# The dispatch keys whose kernels the ops may have, by device type.
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def _registered_kernels() -> dict[str, frozenset[str]]:
+    """Each op of the extension (its schema name, e.g. ``"nms"``) and the device types it has a kernel for.
+
+    Read from the dispatcher, so the list follows the schemas the extension registered (``csrc/ops/<op>.cpp``) and
+    the kernels it was built with (the CUDA ones exist only in CUDA builds); no op is named here.
+    """
+    if _C is None:
+        return {}
+    prefix = f"{NAMESPACE}::"
+    return {
+        name.removeprefix(prefix): frozenset(
+            device_type
+            for device_type, key in _DISPATCH_KEYS.items()
+            if torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+        )
+        for name in sorted(torch._C._dispatch_get_all_op_names())
+        if name.startswith(prefix)
+    }
+
+
+_KERNELS: dict[str, frozenset[str]] = _registered_kernels()
 
 _warned = False
 
@@ -39,9 +67,14 @@ def has_compiled_ops() -> bool:
     return _C is not None
 
 
-def has_kernel(device_type: str) -> bool:
-    """Whether the compiled operators have a kernel for ``device_type`` (``"cpu"``, ``"cuda"``)."""
-    return _KERNELS.get(device_type, False)
+def has_kernel(device_type: str, op: str = "nms") -> bool:
+    """Whether the compiled operator ``op`` has a kernel for ``device_type`` (``"cpu"``, ``"cuda"``)."""
+    return device_type in _KERNELS.get(op, frozenset())
+
+
+def registered_kernels() -> dict[str, frozenset[str]]:
+    """Each compiled op (``"nms"``, ``"batched_nms"``, ...) and its device types with a kernel; empty without ``_C``."""
+    return dict(_KERNELS)
 
 
 def warn_fallback_once(device_type: str) -> None:

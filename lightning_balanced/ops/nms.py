@@ -54,10 +54,10 @@ def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, offset: int = 0) ->
     Source: greedy NMS as in ``torchvision.ops.nms``; ``offset`` as in ``mmcv.ops.nms``.
     """
     threshold = check_argument_types("nms", boxes, scores, iou_threshold, offset)
-    if not _use_compiled_op(boxes):
+    if not _use_compiled_op("nms", boxes):
         _loader.warn_fallback_once(boxes.device.type)
         return nms_reference(boxes, scores, threshold, offset)
-    # The operator checks shapes, dtypes, devices, iou_threshold, offset and finiteness (csrc/nms_checks.h).
+    # The operator checks shapes, dtypes, devices, iou_threshold, offset and finiteness (csrc/ops/nms_checks.h).
     out: Tensor = torch.ops.lightning_balanced.nms(boxes, scores, threshold, offset)
     return out
 
@@ -102,20 +102,20 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     Source: ``torchvision.ops.batched_nms`` semantics; ``offset`` as in ``mmcv.ops.nms``.
     """
     threshold = check_argument_types("batched_nms", boxes, scores, iou_threshold, offset, idxs)
-    if not _use_compiled_op(boxes):
+    if not _use_compiled_op("batched_nms", boxes):
         _loader.warn_fallback_once(boxes.device.type)
         return batched_nms_reference(boxes, scores, idxs, threshold, offset)
     out: Tensor = torch.ops.lightning_balanced.batched_nms(boxes, scores, idxs, threshold, offset)
     return out
 
 
-def _use_compiled_op(boxes: Tensor) -> bool:
-    """Whether the compiled operator serves ``boxes``: a kernel for its device, or meta tensors (the fake kernel).
+def _use_compiled_op(op: str, boxes: Tensor) -> bool:
+    """Whether the compiled operator ``op`` serves ``boxes``: a kernel for its device, or meta tensors (fake kernel).
 
     Fake tensors (``torch.compile``, ``FakeTensorMode``) report the device they stand for, so they are served
     whenever real tensors on that device are, and the dispatcher sends them to the fake kernel.
     """
-    return _loader.has_kernel(boxes.device.type) or (boxes.device.type == "meta" and _loader.has_compiled_ops())
+    return _loader.has_kernel(boxes.device.type, op) or (boxes.device.type == "meta" and _loader.has_compiled_ops())
 
 
 # torch < 2.10: Dynamo lets a fake kernel create a data-dependent size (`new_dynamic_size`) only when the global

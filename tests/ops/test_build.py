@@ -270,3 +270,43 @@ def test_a_shared_object_without_the_shared_libstdcxx_is_deleted_and_named(build
     )
     assert not so.exists()
     assert build.needed_libraries(ROOT / "setup.py") is None  # not ELF: nothing to check
+
+
+# ---- sources ------------------------------------------------------------------------------------------------------
+def test_sources_are_found_so_a_new_op_is_its_own_files(build: ModuleType, tmp_path: Path) -> None:
+    """A made-up op ``roi_align`` added as files only: its schema, CPU, CUDA (host and device) and autocast parts."""
+    for name in (
+        "module.cpp",
+        "ops/nms.cpp",
+        "ops/cpu/nms_kernel.cpp",
+        "ops/cuda/nms_kernel.cu",
+        "ops/roi_align.cpp",
+        "ops/roi_align_checks.h",
+        "ops/cpu/roi_align_kernel.cpp",
+        "ops/cuda/roi_align_launch.cpp",
+        "ops/cuda/roi_align_kernel.cu",
+        "ops/autocast/roi_align_autocast.cpp",
+    ):
+        (tmp_path / "csrc" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "csrc" / name).touch()
+    cpu, cuda = build.extension_sources(tmp_path)
+    assert cpu == [
+        "csrc/module.cpp",
+        "csrc/ops/autocast/roi_align_autocast.cpp",
+        "csrc/ops/cpu/nms_kernel.cpp",
+        "csrc/ops/cpu/roi_align_kernel.cpp",
+        "csrc/ops/nms.cpp",
+        "csrc/ops/roi_align.cpp",
+    ]
+    assert cuda == [
+        "csrc/ops/cuda/nms_kernel.cu",
+        "csrc/ops/cuda/roi_align_kernel.cu",
+        "csrc/ops/cuda/roi_align_launch.cpp",
+    ]
+
+
+def test_the_repository_sources_are_the_module_and_every_op_file(build: ModuleType) -> None:
+    cpu, cuda = build.extension_sources(ROOT)
+    assert cpu[0] == "csrc/module.cpp"
+    assert set(cpu[1:]) == {str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "ops").rglob("*.cpp")} - set(cuda)
+    assert set(cuda) == {str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "ops").rglob("*.cu")}

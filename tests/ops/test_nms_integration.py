@@ -86,7 +86,7 @@ _B = torch.tensor([[0, 0, 1, 1], [0, 0, 2, 2.0]])
 _S = torch.tensor([0.5, 0.6])
 _I = torch.tensor([0, 1])
 # (boxes, scores, idxs, iou_threshold, offset), error, whole message ("{op}" is the op's name): each rule of
-# csrc/nms_checks.h.
+# csrc/ops/nms_checks.h.
 TENSOR_BAD_INPUTS = {
     "boxes 1-D": ((_B[0], _S, _I, 0.5, 0), ValueError, "{op}: boxes must have shape (N, 4), got [4]"),
     "boxes (N, 3)": ((_B[:, :3], _S, _I, 0.5, 0), ValueError, "{op}: boxes must have shape (N, 4), got [2, 3]"),
@@ -250,7 +250,7 @@ def test_cuda_kernel_source_compiles_with_nvcc(tmp_path: Path) -> None:
     cmd = [
         nvcc,
         "-c",
-        str(ROOT / "csrc" / "cuda" / "nms_kernel.cu"),
+        str(ROOT / "csrc" / "ops" / "cuda" / "nms_kernel.cu"),
         "-o",
         str(tmp_path / "nms_kernel.o"),
         "-std=c++20",
@@ -258,6 +258,7 @@ def test_cuda_kernel_source_compiles_with_nvcc(tmp_path: Path) -> None:
         "--fmad=false",
         *COMMON_NVCC_FLAGS,
         f"-I{tmp_path / 'stub'}",
+        f"-I{ROOT / 'csrc'}",
         *(f"-I{p}" for p in include_paths()),
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
@@ -270,8 +271,20 @@ def test_cuda_kernel_source_compiles_with_nvcc(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@RunIf(compiled_ops=True)
+def test_the_registered_kernels_are_read_from_the_dispatcher() -> None:
+    """Every op the extension defined: the CPU kernel always, the CUDA one exactly when the dispatcher has it."""
+    kernels = _loader.registered_kernels()
+    assert {"nms", "batched_nms"} <= kernels.keys()
+    for op, device_types in kernels.items():
+        has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key(f"lightning_balanced::{op}", "CUDA")
+        assert device_types == ({"cpu", "cuda"} if has_cuda else {"cpu"})
+        assert _loader.has_kernel("cpu", op)
+    assert not _loader.has_kernel("cpu", "no_such_op")
+
+
 def test_missing_kernel_warns_once_and_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_loader, "_KERNELS", {"cpu": False, "cuda": False})
+    monkeypatch.setattr(_loader, "_KERNELS", {})
     monkeypatch.setattr(_loader, "_warned", False)
     boxes, scores = _boxes(80, 4)
     idxs = torch.arange(80) % 3

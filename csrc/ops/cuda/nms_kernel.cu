@@ -20,7 +20,7 @@
 
 #include <vector>
 
-#include "../nms_checks.h"
+#include "ops/nms_checks.h"
 
 namespace {
 

@@ -23,7 +23,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "../nms_checks.h"
+#include "ops/nms_checks.h"
 
 #include <algorithm>
 #include <cmath>
