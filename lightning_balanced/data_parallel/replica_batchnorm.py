@@ -2,21 +2,24 @@
 
 In single-process data parallel (``balanced_dp``, ``nn.DataParallel``) every replica's BatchNorm normally sees only
 its own chunk. Here each replica's layer computes its chunk's per-channel ``(count, mean, M2)`` with autograd and hands
-it to a per-step, per-layer rendezvous (:class:`SyncBatchNormStep`). The last replica to arrive combines all of them
-(Chan's parallel formula, :func:`~lightning_balanced.nn.moments.combine_moments`, count-weighted, on the first
-replica's device) and every replica normalizes with the combined mean and variance. The exchanged tensors belong to
-one autograd graph (``Tensor.to(device)`` is differentiable across devices), so the backward pass, which the strategy
-runs once from the combined loss, needs no rendezvous: on CPU the autograd engine runs all backward work in one thread,
-where any wait would deadlock.
+it to the step's :class:`~lightning_balanced.data_parallel.barrier.ReplicaBarrier`, one meeting per layer call (keyed by
+the layer: the ``k``-th call of a layer meets the other replicas' ``k``-th call of the same layer). The last replica to
+arrive combines all of them (Chan's parallel formula, :func:`~lightning_balanced.nn.moments.combine_moments`,
+count-weighted, on the first replica's device) and every replica normalizes with the combined mean and variance. The
+exchanged tensors belong to one autograd graph (``Tensor.to(device)`` is differentiable across devices), so the
+backward pass, which the strategy runs once from the combined loss, needs no meeting: on CPU the autograd engine runs
+all backward work in one thread, where any wait would deadlock.
 
 The strategy's protocol:
 
 1. at setup, ``model = convert_replica_batchnorm(model)``: every ``_BatchNorm`` becomes a :class:`ReplicaSyncBatchNorm`
    sharing its parameters and buffers (the state-dict keys stay those of plain BatchNorm);
-2. per step, after replication: ``step = SyncBatchNormStep(chunk_sizes)`` for the replicas that will run, then
-   ``attach_step(replicas, step)``, or ``layers.attach(replicas, step)`` with ``layers = SyncBatchNormLayers(model)``
-   found once at setup (no walk of the replicas' trees per step); when a replica fails, ``step.abort(index, error)``
-   releases the others;
+2. per step, after replication: ``barrier = ReplicaBarrier(len(replicas))`` for the replicas that will run, then
+   ``attach_step(replicas, barrier)``, or ``layers.attach(replicas, barrier)`` with
+   ``layers = SyncBatchNormLayers(model)`` found once at setup (no walk of the replicas' trees per step); when a
+   replica fails, ``barrier.abort(index, error)`` releases the others (with
+   :class:`~lightning_balanced.data_parallel.barrier.ReplicaAborted`), and a replica that waits longer than the
+   barrier's timeout at a layer raises a ``RuntimeError`` naming the layer;
 3. at teardown, ``model = revert_replica_batchnorm(model)`` puts the user's own BatchNorm objects back, holding the
    current state.
 
@@ -27,145 +30,33 @@ exchange; here count-weighted and combined from centered moments.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_balanced.data_parallel.barrier import DEFAULT_TIMEOUT_S, ReplicaAborted, ReplicaBarrier
 from lightning_balanced.data_parallel.stream_order import Ready, ready, use_on_current_stream
 from lightning_balanced.nn.conversion import convert_batchnorm, revert_batchnorm
 from lightning_balanced.nn.moments import Moments, batch_moments, check_batchnorm_input, combine_moments
 
 __all__ = [
     "ReplicaSyncBatchNorm",
-    "SyncBatchNormAborted",
     "SyncBatchNormLayers",
-    "SyncBatchNormStep",
     "attach_step",
     "convert_replica_batchnorm",
     "revert_replica_batchnorm",
 ]
 
-_DEFAULT_TIMEOUT_S = 120.0
 
-
-class SyncBatchNormAborted(RuntimeError):
-    """A replica was released from a BatchNorm rendezvous because another failed; ``__cause__`` is that failure."""
-
-
-@dataclass
-class _Slot:
-    """One meeting: one BatchNorm layer's ``k``-th call in this step, by every replica."""
-
-    contributions: dict[int, Any] = field(default_factory=dict)
-    done: bool = False
-    result: Any = None
-    error: BaseException | None = None
-    collected: int = 0
-
-
-class SyncBatchNormStep:
-    """The per-step rendezvous of the replicas' :class:`ReplicaSyncBatchNorm` layers.
-
-    Create one per step for the replicas that run it, attach it with :func:`attach_step`, and drop it after the step.
-    Each BatchNorm call of a replica waits until every replica has made the same call (same layer, same call number),
-    then all continue with the combined statistics. It never hangs: a replica that fails should :meth:`abort`, which
-    releases every waiting replica with :class:`SyncBatchNormAborted`; and a wait longer than ``timeout`` (replicas
-    that call the layers a different number of times, e.g. a data-dependent branch around a BatchNorm) raises a
-    ``RuntimeError`` naming the layer, in every waiting replica.
-
-    Args:
-        chunk_sizes (Sequence[int]): samples per participating replica, in replica order (index ``i`` is the replica
-            given to :func:`attach_step` at position ``i``). A replica with 0 samples that runs contributes nothing;
-            the strategy normally leaves empty chunks out (no replica runs for them).
-        timeout (float): seconds a replica waits at one layer for the others. Default: 120.
-
-    Raises:
-        ValueError: an empty ``chunk_sizes``, a negative size, or a timeout that is not positive.
-    """
-
-    def __init__(self, chunk_sizes: Sequence[int], timeout: float = _DEFAULT_TIMEOUT_S) -> None:
-        sizes = list(chunk_sizes)
-        if not sizes or any(int(s) != s or s < 0 for s in sizes):
-            raise ValueError(f"`chunk_sizes` must be a non-empty sequence of integers >= 0, got {chunk_sizes!r}")
-        if not timeout > 0:
-            raise ValueError(f"`timeout` must be > 0 seconds, got {timeout!r}")
-        self.chunk_sizes = [int(s) for s in sizes]
-        self.parties = len(sizes)
-        self.timeout = float(timeout)
-        self._condition = threading.Condition()
-        self._slots: dict[tuple[int, int], _Slot] = {}
-        self._calls: dict[tuple[int, int], int] = {}
-        self._names: dict[int, str] = {}
-        self._aborted: tuple[int, BaseException] | None = None
-
-    def abort(self, index: int, error: BaseException) -> None:
-        """Replica ``index`` failed with ``error``: release every replica waiting now or later."""
-        with self._condition:
-            if self._aborted is None:
-                self._aborted = (index, error)
-            self._condition.notify_all()
-
-    def _raise_if_aborted(self, index: int, layer: str) -> None:
-        if self._aborted is not None:
-            failed, error = self._aborted
-            raise SyncBatchNormAborted(
-                f"Replica {index} stopped at synchronized BatchNorm layer '{layer}' because replica {failed} failed"
-            ) from error
-
-    def exchange(self, index: int, layer: Module, contribution: Any, combine: Callable[[list[Any]], Any]) -> Any:
-        """Contribute as replica ``index`` to ``layer``'s next meeting; return what ``combine`` made of all of them.
-
-        The last replica to arrive runs ``combine(contributions)`` (in replica order); all replicas return its
-        result, or raise what it raised.
-
-        Raises:
-            SyncBatchNormAborted: another replica failed (see :meth:`abort`).
-            RuntimeError: the other replicas did not arrive within ``timeout``.
-        """
-        layer_id = id(layer)
-        name = self._names.get(layer_id, type(layer).__name__)
-        with self._condition:
-            self._raise_if_aborted(index, name)
-            call = self._calls.get((index, layer_id), 0)
-            self._calls[(index, layer_id)] = call + 1
-            key = (layer_id, call)
-            slot = self._slots.setdefault(key, _Slot())
-            slot.contributions[index] = contribution
-            if len(slot.contributions) == self.parties:
-                try:
-                    slot.result = combine([slot.contributions[i] for i in range(self.parties)])
-                except BaseException as err:
-                    slot.error = err
-                slot.done = True
-                slot.contributions = {}
-                self._condition.notify_all()
-            else:
-                arrived = self._condition.wait_for(lambda: slot.done or self._aborted is not None, self.timeout)
-                if not slot.done:
-                    self._raise_if_aborted(index, name)
-                if not arrived:
-                    missing = sorted(set(range(self.parties)) - set(slot.contributions))
-                    timeout = RuntimeError(
-                        f"Replica {index} waited {self.timeout:.3g}s at synchronized BatchNorm layer '{name}' (call "
-                        f"{call + 1} of this step) for replicas {missing}. With sync_batchnorm every replica must run "
-                        "the same BatchNorm layers the same number of times in each step; a BatchNorm inside a "
-                        "data-dependent branch cannot be synchronized."
-                    )
-                    self._aborted = (index, timeout)
-                    self._condition.notify_all()
-                    raise timeout
-            slot.collected += 1
-            if slot.collected == self.parties:
-                del self._slots[key]
-            if slot.error is not None:
-                raise slot.error
-            return slot.result
+_TIMEOUT_HINT = (
+    "With sync_batchnorm every replica must run the same BatchNorm layers the same number of times in each step; a"
+    " BatchNorm inside a data-dependent branch cannot be synchronized."
+)
 
 
 def _statistics_dtype(device: torch.device) -> torch.dtype:
@@ -178,8 +69,9 @@ class ReplicaSyncBatchNorm(_BatchNorm):
 
     Made by :func:`convert_replica_batchnorm` from a user's ``_BatchNorm`` (1d/2d/3d or a subclass), sharing its
     parameters and buffers; :func:`revert_replica_batchnorm` gives the user's layer back. It behaves exactly like
-    :class:`torch.nn.BatchNorm2d` (1d/3d), except in a replica that has a :class:`SyncBatchNormStep` attached
-    (:func:`attach_step`) and normalizes with batch statistics (training, or ``track_running_stats=False``): then
+    :class:`torch.nn.BatchNorm2d` (1d/3d), except in a replica that has a step's
+    :class:`~lightning_balanced.data_parallel.barrier.ReplicaBarrier` attached (:func:`attach_step`) and normalizes
+    with batch statistics (training, or ``track_running_stats=False``): then
 
     * the mean and biased variance are those of the concatenation of every participating replica's input, so
       outputs, input gradients and weight/bias gradients (summed over the replicas by the shared parameters) equal
@@ -189,7 +81,7 @@ class ReplicaSyncBatchNorm(_BatchNorm):
       layer (the one in the user's model, not a replica's copy) are updated once per step from the full-batch
       statistics: ``momentum`` as in torch, ``None`` for a cumulative average.
 
-    Eval mode with running statistics is plain ``F.batch_norm``, with no rendezvous.
+    Eval mode with running statistics is plain ``F.batch_norm``, with no meeting.
 
     Statistics are computed in float32 (float64 for float64 input): float16/bfloat16 input is normalized in float32
     and cast back. Per-replica moments and the combination are float64 (float32 on MPS). On CUDA the combination runs on
@@ -208,15 +100,17 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         ValueError: (in ``forward``) an input that is not 2D to 5D or whose channel dimension is not
             ``num_features``, or, with batch statistics, fewer than 2 values per channel over all replicas (raised in
             every replica alike).
-        SyncBatchNormAborted, RuntimeError: from the rendezvous (see :class:`SyncBatchNormStep`).
+        ReplicaAborted, RuntimeError: from the barrier: another replica failed, or the others did not come to this
+            layer within the barrier's timeout (see :class:`~lightning_balanced.data_parallel.barrier.ReplicaBarrier`).
 
     Source: Ioffe & Szegedy, "Batch Normalization" (ICML 2015); torch's ``_BatchNorm`` running-statistics semantics;
     Chan, Golub & LeVeque's parallel variance formula for the combination.
     """
 
     # Set per replica by attach_step (replicas copy their original's __dict__; the original itself keeps None).
-    _sync_step: SyncBatchNormStep | None = None
+    _sync_barrier: ReplicaBarrier | None = None
     _replica_index: int = 0
+    _sync_name: str = ""
     # The layer in the user's (converted) model; a replica's copy of __dict__ points to it. Set by the converter.
     _sync_origin: ReplicaSyncBatchNorm | None = None
     # The user's BatchNorm object that this layer stands in for. Set by the converter.
@@ -246,7 +140,7 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         check_batchnorm_input(self, input)
 
     def forward(self, input: Tensor) -> Tensor:
-        """Normalize ``input``: over all replicas' chunks when a step is attached, else as plain BatchNorm.
+        """Normalize ``input``: over all replicas' chunks when a barrier is attached, else as plain BatchNorm.
 
         Args:
             input (Tensor[N, C, *]): 2D to 5D, floating point.
@@ -257,9 +151,9 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         Raises:
             ValueError: bad input shape, or fewer than 2 values per channel over all replicas.
         """
-        step = self._sync_step
+        barrier = self._sync_barrier
         batch_statistics = self.training or (self.running_mean is None and self.running_var is None)
-        if step is None or not batch_statistics:
+        if barrier is None or not batch_statistics:
             return super().forward(input)
         check_batchnorm_input(self, input)
         compute_dtype = torch.promote_types(input.dtype, torch.float32)
@@ -271,8 +165,15 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         origin = self._sync_origin if self._sync_origin is not None else self
         # On CUDA each replica computes on its own stream: the combiner waits (on the GPU) for the event recorded after
         # this replica's moments, and this replica waits for the one recorded after the combination.
-        contribution = (count, local, ready(input.device))
-        mean, var, combined = step.exchange(self._replica_index, origin, contribution, self._combine)
+        contribution = (count, local, ready(input.device), input.shape[0])
+        mean, var, combined = barrier.call_once(
+            self._replica_index,
+            contribution,
+            self._combine,
+            key=origin,
+            what=f"synchronized BatchNorm layer '{self._sync_name or type(self).__name__}'",
+            hint=_TIMEOUT_HINT,
+        )
         use_on_current_stream(combined, mean.device, (mean, var))
         mean = mean.to(device=input.device, dtype=compute_dtype)
         var = var.to(device=input.device, dtype=compute_dtype)
@@ -287,28 +188,27 @@ class ReplicaSyncBatchNorm(_BatchNorm):
             output = centered * scale.view(shape)
         return output.to(input.dtype)
 
-    def _combine(self, contributions: list[tuple[int, Moments, Ready]]) -> tuple[Tensor, Tensor, Ready]:
+    def _combine(self, contributions: list[tuple[int, Moments, Ready, int]]) -> tuple[Tensor, Tensor, Ready]:
         """Run once per meeting (by the last replica to arrive): the combined mean and biased variance.
 
-        On the first replica's device, after waiting (on the GPU, not the host) for each replica's moments; returns
-        with them an event that marks the combination done.
+        Each contribution is a replica's ``(values per channel, moments, event after them, samples)``. On the first
+        replica's device, after waiting (on the GPU, not the host) for each replica's moments; returns with them an
+        event that marks the combination done.
         """
-        total_count = sum(count for count, _, _ in contributions)
+        total_count = sum(count for count, _, _, _ in contributions)
         if total_count <= 1:
-            step = self._sync_step
-            sizes = step.chunk_sizes if step is not None else []
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got {total_count} over all replicas "
-                f"(chunk sizes {sizes})"
+                f"(samples per replica {[samples for _, _, _, samples in contributions]})"
             )
-        for _, moments, made in contributions:
+        for _, moments, made, _ in contributions:
             use_on_current_stream(made, moments.mean.device, moments)
         device = contributions[0][1].mean.device
         dtype = contributions[0][1].mean.dtype
         total = combine_moments(
-            torch.stack([m.count.to(device=device, dtype=dtype) for _, m, _ in contributions]),
-            torch.stack([m.mean.to(device) for _, m, _ in contributions]),
-            torch.stack([m.m2.to(device) for _, m, _ in contributions]),
+            torch.stack([m.count.to(device=device, dtype=dtype) for _, m, _, _ in contributions]),
+            torch.stack([m.mean.to(device) for _, m, _, _ in contributions]),
+            torch.stack([m.m2.to(device) for _, m, _, _ in contributions]),
         )
         var = total.m2 / total_count
         if self.training and self.track_running_stats:
@@ -384,43 +284,42 @@ def revert_replica_batchnorm(module: Module) -> Module:
     )
 
 
-def attach_step(replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
-    """Attach ``step`` to the :class:`ReplicaSyncBatchNorm` layers of this step's replicas.
+def attach_step(replicas: Sequence[Module], barrier: ReplicaBarrier) -> None:
+    """Attach the step's ``barrier`` to the :class:`ReplicaSyncBatchNorm` layers of this step's replicas.
 
     Searches each replica's whole module tree; :class:`SyncBatchNormLayers` does the same from layers found once.
 
     Args:
-        replicas (Sequence[Module]): the replicas that run the step (from ``replicate``), in the order of
-            ``step.chunk_sizes``; replica ``i`` contributes as index ``i``.
-        step (SyncBatchNormStep): the step's rendezvous.
+        replicas (Sequence[Module]): the replicas that run the step (from ``replicate``); replica ``i`` contributes
+            as index ``i``.
+        barrier (ReplicaBarrier): the step's barrier, of ``len(replicas)`` parties.
 
     Raises:
-        ValueError: ``len(replicas)`` differs from ``step.parties``, or a replica's layer is not a per-step copy (the
-            user's model itself must never be attached: its layers would stay attached after the step).
+        ValueError: ``len(replicas)`` differs from ``barrier.parties``, or a replica's layer is not a per-step copy
+            (the user's model itself must never be attached: its layers would stay attached after the step).
     """
-    _check_parties(replicas, step)
+    _check_parties(replicas, barrier)
     for index, replica in enumerate(replicas):
         for name, layer in replica.named_modules():
             if isinstance(layer, ReplicaSyncBatchNorm):
-                _attach_layer(layer, name, index, step)
+                _attach_layer(layer, name, index, barrier)
 
 
-def _check_parties(replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
-    if len(replicas) != step.parties:
-        raise ValueError(f"got {len(replicas)} replicas for a step of {step.parties} chunk sizes {step.chunk_sizes}")
+def _check_parties(replicas: Sequence[Module], barrier: ReplicaBarrier) -> None:
+    if len(replicas) != barrier.parties:
+        raise ValueError(f"got {len(replicas)} replicas for a barrier of {barrier.parties} parties")
 
 
-def _attach_layer(layer: ReplicaSyncBatchNorm, name: str, index: int, step: SyncBatchNormStep) -> None:
+def _attach_layer(layer: ReplicaSyncBatchNorm, name: str, index: int, barrier: ReplicaBarrier) -> None:
     origin = layer._sync_origin
     if origin is None or origin is layer:
         raise ValueError(
             f"layer '{name}' of replica {index} is not a replica: attach_step takes the per-step copies "
             "made by replicate(), not the model"
         )
-    if index == 0:
-        step._names[id(origin)] = name or type(layer).__name__
-    object.__setattr__(layer, "_sync_step", step)
+    object.__setattr__(layer, "_sync_barrier", barrier)
     object.__setattr__(layer, "_replica_index", index)
+    object.__setattr__(layer, "_sync_name", name or type(layer).__name__)
 
 
 class SyncBatchNormLayers:
@@ -450,29 +349,29 @@ class SyncBatchNormLayers:
             if isinstance(layer, ReplicaSyncBatchNorm)
         ]
 
-    def attach(self, replicas: Sequence[Module], step: SyncBatchNormStep) -> None:
-        """Attach ``step`` to the copies of the model's synchronized layers in ``replicas``, as :func:`attach_step`.
+    def attach(self, replicas: Sequence[Module], barrier: ReplicaBarrier) -> None:
+        """Attach ``barrier`` to the copies of the model's synchronized layers in ``replicas``, as :func:`attach_step`.
 
         Args:
-            replicas (Sequence[Module]): the replicas of ``model`` that run the step, in the order of
-                ``step.chunk_sizes``; replica ``i`` contributes as index ``i``.
-            step (SyncBatchNormStep): the step's rendezvous.
+            replicas (Sequence[Module]): the replicas of ``model`` that run the step; replica ``i`` contributes as
+                index ``i``.
+            barrier (ReplicaBarrier): the step's barrier, of ``len(replicas)`` parties.
 
         Raises:
             ValueError: as :func:`attach_step`.
         """
-        _check_parties(replicas, step)
+        _check_parties(replicas, barrier)
         if ReplicaSyncBatchNorm._layers_made != self._layers_made:
             self._find()
         copies = [self._copies(replica) for replica in replicas]
         if any(found is None for found in copies):
-            attach_step(replicas, step)
+            attach_step(replicas, barrier)
             self._find()
             return
         for index, found in enumerate(copies):
             assert found is not None
             for (name, _, _), layer in zip(self._layers, found, strict=True):
-                _attach_layer(layer, name, index, step)
+                _attach_layer(layer, name, index, barrier)
 
     def _copies(self, replica: Module) -> list[ReplicaSyncBatchNorm] | None:
         """The replica's copy of each recorded layer, or ``None`` when a path leads elsewhere (the tree changed)."""
@@ -485,3 +384,37 @@ class SyncBatchNormLayers:
                 return None
             copies.append(module)
         return copies
+
+
+class _SyncBatchNormStep(ReplicaBarrier):
+    """Deprecated ``SyncBatchNormStep(chunk_sizes, timeout)``: ``ReplicaBarrier(len(chunk_sizes), timeout)``."""
+
+    def __init__(self, chunk_sizes: Sequence[int], timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        sizes = list(chunk_sizes)
+        if not sizes or any(int(s) != s or s < 0 for s in sizes):
+            raise ValueError(f"`chunk_sizes` must be a non-empty sequence of integers >= 0, got {chunk_sizes!r}")
+        super().__init__(len(sizes), timeout)
+        self.chunk_sizes = [int(s) for s in sizes]
+
+
+# Old name -> (the object it now is, what to use instead). Removed in 0.3, with the 0.1 module paths.
+_DEPRECATED: dict[str, tuple[Any, str]] = {
+    "SyncBatchNormAborted": (ReplicaAborted, "lightning_balanced.data_parallel.barrier.ReplicaAborted"),
+    "SyncBatchNormStep": (
+        _SyncBatchNormStep,
+        "lightning_balanced.data_parallel.barrier.ReplicaBarrier(len(chunk_sizes))",
+    ),
+}
+
+if not TYPE_CHECKING:  # type checkers flag the old names instead
+
+    def __getattr__(name: str) -> Any:
+        if name not in _DEPRECATED:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value, instead = _DEPRECATED[name]
+        warnings.warn(
+            f"`{__name__}.{name}` is deprecated, use `{instead}`; the old name works until lightning_balanced 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value

@@ -5,8 +5,9 @@ this module:
 
 - ``self.log``/``self.log_dict`` are recorded per replica and replayed once, combined, on the main thread;
 - in manual optimization, ``manual_backward``, ``optimizer.step``/``zero_grad``, ``lr_scheduler.step`` and
-  ``clip_gradients`` become rendezvous: every replica must call them in the same order, and the call runs once, on the
-  combined input, when all have arrived;
+  ``clip_gradients`` become meetings at the step's :class:`~lightning_balanced.data_parallel.barrier.ReplicaBarrier`:
+  every replica must call them in the same order, and the call runs once, on the combined input, when all have
+  arrived;
 - torchmetrics metrics are not replicated: every replica updates the one original metric, one call at a time.
 """
 
@@ -22,6 +23,8 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 from torchmetrics import Metric
+
+from lightning_balanced.data_parallel.barrier import ReplicaBarrier
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 
@@ -90,100 +93,25 @@ def replay_logs(
         module.log(name, value, **kwargs)
 
 
-class RendezvousAborted(RuntimeError):
-    """A replica was released from a rendezvous because another failed; ``__cause__`` is that failure."""
+_LOCKSTEP_HINT = (
+    "In manual optimization under balanced_dp every replica must call manual_backward, optimizer step/zero_grad,"
+    " scheduler step and clip_gradients the same number of times, in the same order."
+)
 
 
-class Rendezvous:
-    """Runs an action once when all ``parties`` threads have called :meth:`call` with their contribution.
-
-    Never hangs: when the others do not arrive within ``timeout`` seconds (replicas that call a shared operation a
-    different number of times), or when a replica fails (:meth:`abort`), every waiting thread raises ``RuntimeError``.
-    """
-
-    def __init__(self, parties: int, timeout: float) -> None:
-        self.parties = parties
-        self.timeout = timeout
-        self._condition = threading.Condition()
-        self._contributions: dict[int, Any] = {}
-        self._generation = 0
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._aborted: tuple[int, BaseException] | None = None
-        self._failures: dict[int, BaseException] = {}
-
-    def abort(self, index: int, error: BaseException) -> None:
-        """Replica ``index`` failed with ``error``: release every replica waiting now or later."""
-        with self._condition:
-            if self._aborted is None:
-                self._aborted = (index, error)
-            self._failures.setdefault(index, error)
-            self._condition.notify_all()
-
-    def failure(self, released: tuple[type[BaseException], ...] = ()) -> tuple[int, BaseException] | None:
-        """The lowest-index replica that failed on its own, and the exception object it raised (``None``: none failed).
-
-        Replicas released by another's failure (:class:`RendezvousAborted`, or one of ``released`` from other
-        rendezvous of the step) do not count. The object is the one the replica raised, traceback
-        included: torch's CUDA ``parallel_apply`` re-raises a copy built from the message, which loses it.
-        """
-        with self._condition:
-            own = [(i, e) for i, e in self._failures.items() if not isinstance(e, (RendezvousAborted, *released))]
-        return min(own, key=lambda failure: failure[0]) if own else None
-
-    def _raise_if_aborted(self, index: int, what: str) -> None:
-        if self._aborted is not None:
-            failed, error = self._aborted
-            raise RendezvousAborted(f"Replica {index} stopped at `{what}` because replica {failed} failed") from error
-
-    def call(self, index: int, what: str, contribution: Any, action: Callable[[list[Any]], Any]) -> Any:
-        """Contribute as replica ``index``; the last to arrive runs ``action(contributions)``, all return its result.
-
-        Raises:
-            RuntimeError: the other replicas did not arrive in time (``what`` names the operation), or one failed.
-            BaseException: whatever ``action`` raised, in every replica.
-        """
-        if self.parties == 1:
-            return action([contribution])
-        with self._condition:
-            self._raise_if_aborted(index, what)
-            generation = self._generation
-            self._contributions[index] = contribution
-            if len(self._contributions) == self.parties:
-                contributions = [self._contributions[i] for i in range(self.parties)]
-                self._contributions = {}
-                try:
-                    self._result, self._error = action(contributions), None
-                except BaseException as err:
-                    self._result, self._error = None, err
-                self._generation += 1
-                self._condition.notify_all()
-            else:
-                arrived = self._condition.wait_for(
-                    lambda: self._generation != generation or self._aborted is not None, timeout=self.timeout
-                )
-                self._raise_if_aborted(index, what)
-                if not arrived:
-                    timeout = RuntimeError(
-                        f"Replica {index} waited {self.timeout:.0f}s for the other replicas to call `{what}`. In"
-                        " manual optimization under balanced_dp every replica must call manual_backward, optimizer"
-                        " step/zero_grad, scheduler step and clip_gradients the same number of times, in the same"
-                        " order."
-                    )
-                    self._aborted = (index, timeout)
-                    self._condition.notify_all()
-                    raise timeout
-            if self._error is not None:
-                raise self._error
-            return self._result
+def _lockstep_call(
+    barrier: ReplicaBarrier, index: int, name: str, value: Any, action: Callable[[list[Any]], Any]
+) -> Any:
+    """One lockstep call: every replica's ``name`` call meets the others' (in call order); ``action`` runs once."""
+    return barrier.call_once(index, value, action, what=f"`{name}`", hint=_LOCKSTEP_HINT)
 
 
 class _LockstepProxy:
-    """Delegates to ``target``; the methods named in ``shared`` run once per rendezvous of all replicas."""
+    """Delegates to ``target``; the methods named in ``shared`` run once per meeting of all replicas."""
 
-    def __init__(self, target: Any, rendezvous: Rendezvous, index: int, shared: Sequence[str]) -> None:
+    def __init__(self, target: Any, barrier: ReplicaBarrier, index: int, shared: Sequence[str]) -> None:
         self._target = target
-        self._rendezvous = rendezvous
+        self._barrier = barrier
         self._index = index
         self._shared = frozenset(shared)
 
@@ -193,7 +121,7 @@ class _LockstepProxy:
             return attribute
 
         def once(*args: Any, **kwargs: Any) -> Any:
-            return self._rendezvous.call(self._index, name, None, lambda _: attribute(*args, **kwargs))
+            return _lockstep_call(self._barrier, self._index, name, None, lambda _: attribute(*args, **kwargs))
 
         return once
 
@@ -202,10 +130,10 @@ def install_manual_optimization(
     replica: pl.LightningModule,
     root: pl.LightningModule,
     index: int,
-    rendezvous: Rendezvous,
+    barrier: ReplicaBarrier,
     loss_weight: float,
 ) -> None:
-    """Route the replica's manual-optimization calls through ``rendezvous`` (see the module docstring).
+    """Route the replica's manual-optimization calls through the step's ``barrier`` (see the module docstring).
 
     ``manual_backward`` runs once on ``sum(loss_weight_i * loss_i)``, so the gradient is the full-batch gradient.
     """
@@ -215,18 +143,18 @@ def install_manual_optimization(
         def backward(losses: list[Tensor]) -> None:
             root.manual_backward(torch.stack([lo.to(device) for lo in losses]).sum(), *args, **kwargs)
 
-        rendezvous.call(index, "manual_backward", loss * loss_weight, backward)
+        _lockstep_call(barrier, index, "manual_backward", loss * loss_weight, backward)
 
     def optimizers(use_pl_optimizer: bool = True) -> Any:
         found = root.optimizers(use_pl_optimizer)
-        wrap = [_LockstepProxy(o, rendezvous, index, ("step", "zero_grad")) for o in _as_list(found)]
+        wrap = [_LockstepProxy(o, barrier, index, ("step", "zero_grad")) for o in _as_list(found)]
         return wrap if isinstance(found, list) else wrap[0]
 
     def lr_schedulers() -> Any:
         found = root.lr_schedulers()
         if found is None:
             return None
-        wrap = [_LockstepProxy(s, rendezvous, index, ("step",)) for s in _as_list(found)]
+        wrap = [_LockstepProxy(s, barrier, index, ("step",)) for s in _as_list(found)]
         return wrap if isinstance(found, list) else wrap[0]
 
     def shared(name: str) -> Callable[..., Any]:
@@ -234,7 +162,7 @@ def install_manual_optimization(
 
         def once(*args: Any, **kwargs: Any) -> Any:
             args = tuple(a._target if isinstance(a, _LockstepProxy) else a for a in args)
-            return rendezvous.call(index, name, None, lambda _: method(*args, **kwargs))
+            return _lockstep_call(barrier, index, name, None, lambda _: method(*args, **kwargs))
 
         return once
 

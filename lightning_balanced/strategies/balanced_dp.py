@@ -30,15 +30,13 @@ from lightning_balanced.data_parallel import (
     split_policy,
     virtual_devices,
 )
+from lightning_balanced.data_parallel.barrier import ReplicaBarrier
 from lightning_balanced.data_parallel.replica_batchnorm import (
-    SyncBatchNormAborted,
     SyncBatchNormLayers,
-    SyncBatchNormStep,
     convert_replica_batchnorm,
     revert_replica_batchnorm,
 )
 from lightning_balanced.data_parallel.replica_context import (
-    Rendezvous,
     ReplicaLogRecorder,
     find_metrics,
     install_manual_optimization,
@@ -49,7 +47,8 @@ from lightning_balanced.data_parallel.split_policy import ExplicitChunkSizes, Gp
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 _REPORT_MEMORY_AFTER_STEPS = 3
-_RENDEZVOUS_TIMEOUT_S = 120.0
+# Seconds a replica waits for the others at a meeting of the step's barrier (a lockstep call, a synchronized BatchNorm).
+_REPLICA_TIMEOUT_S = 120.0
 # The start of the message of torch.nn.functional._verify_batch_size: a training BatchNorm saw one value per channel.
 _BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when training"
 
@@ -58,9 +57,8 @@ _BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when traini
 class _StepCall:
     name: str
     inference_mode: bool
-    rendezvous: Rendezvous
+    barrier: ReplicaBarrier
     replica_index: int
-    batchnorm_step: SyncBatchNormStep | None
 
 
 class _StepDispatcher(Module):
@@ -91,9 +89,7 @@ class _StepDispatcher(Module):
             with torch.inference_mode(call.inference_mode), self._step_context(call.name):
                 return getattr(self.module, call.name)(*args, **kwargs)
         except BaseException as err:
-            call.rendezvous.abort(call.replica_index, err)
-            if call.batchnorm_step is not None:
-                call.batchnorm_step.abort(call.replica_index, err)
+            call.barrier.abort(call.replica_index, err)  # releases the replicas waiting for this one
             raise
 
 
@@ -261,25 +257,22 @@ class BalancedDataParallel(SingleProcess):
             check_replicable(module)
             raise
         replicas = replicas[1:] if run[0] != 0 else replicas
-        batchnorm_step = None
+        # The step's one barrier: the lockstep calls of manual optimization and the synchronized BatchNorm layers meet
+        # there, and a failing replica aborts it, releasing the others wherever they wait.
+        barrier = ReplicaBarrier(len(replicas), _REPLICA_TIMEOUT_S)
         if self._batchnorm_layers is not None and batch_size > 0:  # a batch of 0 normalizes as on one device
-            batchnorm_step = SyncBatchNormStep(chunk_sizes, _RENDEZVOUS_TIMEOUT_S)
-            self._batchnorm_layers.attach([replica.module for replica in replicas], batchnorm_step)
+            self._batchnorm_layers.attach([replica.module for replica in replicas], barrier)
         recorders = [ReplicaLogRecorder() for _ in replicas]
-        rendezvous = Rendezvous(len(replicas), _RENDEZVOUS_TIMEOUT_S)
         manual = step_name == "training_step" and not module.automatic_optimization
         for i, replica in enumerate(replicas):
             replica_module = replica.module
             replica_module.log = recorders[i].log  # type: ignore[method-assign]
             share_metrics(replica_module, self._metrics, self._metric_lock)
             if manual:
-                install_manual_optimization(replica_module, module, i, rendezvous, weights[i])
+                install_manual_optimization(replica_module, module, i, barrier, weights[i])
 
         inference_mode = torch.is_inference_mode_enabled()
-        inputs = [
-            (_StepCall(step_name, inference_mode, rendezvous, i, batchnorm_step), *a)
-            for i, (a, _) in enumerate(scattered)
-        ]
+        inputs = [(_StepCall(step_name, inference_mode, barrier, i), *a) for i, (a, _) in enumerate(scattered)]
         failure: BaseException | None = None
         try:
             streams = [self._streams[i] for i in run] if self._streams else None
@@ -287,7 +280,7 @@ class BalancedDataParallel(SingleProcess):
                 replicas, inputs, [k for _, k in scattered], run_devices, executor=self._executor, streams=streams
             )
         except Exception as wrapped:
-            failure = self._replica_error(wrapped, rendezvous, step_name, batch_size, planned, run_devices)
+            failure = self._replica_error(wrapped, barrier, step_name, batch_size, planned, run_devices)
         if failure is not None:
             raise failure  # outside the handler: the replica's own exception, not chained to the wrapped copy
         replay_logs(module, recorders, chunk_sizes)
@@ -298,7 +291,7 @@ class BalancedDataParallel(SingleProcess):
     def _replica_error(
         self,
         wrapped: Exception,
-        rendezvous: Rendezvous,
+        barrier: ReplicaBarrier,
         step_name: str,
         batch_size: int,
         planned: list[int],
@@ -307,9 +300,9 @@ class BalancedDataParallel(SingleProcess):
         """The exception to raise for a failed step: the failing replica's own, whatever path re-raised a copy.
 
         torch's CUDA ``parallel_apply`` (and the CPU emulation, which copies it) re-raises a new exception built from
-        the message, so the original is taken from the rendezvous, where each replica's dispatcher left it.
+        the message, so the original is taken from the step's barrier, where each replica's dispatcher left it.
         """
-        found = rendezvous.failure(released=(SyncBatchNormAborted,))
+        found = barrier.failure()
         if found is None:
             return wrapped
         index, error = found

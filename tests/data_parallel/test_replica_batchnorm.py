@@ -22,11 +22,10 @@ from torch import nn
 
 from lightning_balanced.data_parallel import parallel_apply, replicate
 from lightning_balanced.data_parallel import replica_batchnorm as sync_batchnorm_module
+from lightning_balanced.data_parallel.barrier import ReplicaAborted, ReplicaBarrier
 from lightning_balanced.data_parallel.replica_batchnorm import (
     ReplicaSyncBatchNorm,
-    SyncBatchNormAborted,
     SyncBatchNormLayers,
-    SyncBatchNormStep,
     attach_step,
     convert_replica_batchnorm,
     revert_replica_batchnorm,
@@ -124,14 +123,14 @@ def _replica_forward(
     devices: list[torch.device] | None = None,
     layers: SyncBatchNormLayers | None = None,
 ) -> torch.Tensor:
-    """One data-parallel forward: replicate, attach a step, run the replicas in threads, concatenate on x's device."""
+    """One data-parallel forward: replicate, attach a barrier, run replicas in threads, concatenate on x's device."""
     devices = devices or [_CPU] * len(chunk_sizes)
     replicas = replicate(model, devices, detach=not torch.is_grad_enabled())
-    step = SyncBatchNormStep(chunk_sizes, timeout=30)
+    barrier = ReplicaBarrier(len(chunk_sizes), timeout=30)
     if layers is None:
-        attach_step(replicas, step)
+        attach_step(replicas, barrier)
     else:
-        layers.attach(replicas, step)
+        layers.attach(replicas, barrier)
     chunks = [(c.to(d),) for c, d in zip(x.split(list(chunk_sizes)), devices, strict=True)]
     outputs = parallel_apply(replicas, chunks, [{}] * len(replicas), devices)
     return torch.cat([out.to(x.device) for out in outputs])
@@ -244,10 +243,11 @@ def test_float32_at_large_mean_over_std_stays_within_10x_of_torch_batchnorm() ->
 def test_one_value_per_channel_over_all_replicas_raises_in_every_replica() -> None:
     model = convert_replica_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
     replicas = replicate(model, [_CPU, _CPU])
-    step = SyncBatchNormStep([1, 0])
-    attach_step(replicas, step)
+    attach_step(replicas, ReplicaBarrier(2, timeout=30))
     # Replica 1 (0 samples) is the one parallel_apply runs on the calling thread: both get the error, not a hang.
-    with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training, got 1 over all"):
+    expected = r"Expected more than 1 value per channel when training, got 1 over all replicas \(samples per replica"
+    expected += r" \[1, 0\]\)"
+    with pytest.raises(ValueError, match=expected):
         parallel_apply(replicas, [(torch.randn(1, 3),), (torch.randn(0, 3),)], [{}, {}], [_CPU, _CPU])
     # One value per replica, two over all: fine.
     x = torch.randn(2, 3)
@@ -256,13 +256,13 @@ def test_one_value_per_channel_over_all_replicas_raises_in_every_replica() -> No
 
 
 class _StepRunner(nn.Module):
-    """Runs ``body`` as a strategy's replica would: on failure it aborts the step before re-raising."""
+    """Runs ``body`` as a strategy's replica would: on failure it aborts the step's barrier before re-raising."""
 
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
 
-    def forward(self, x: torch.Tensor, step: SyncBatchNormStep, index: int, mode: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, barrier: ReplicaBarrier, index: int, mode: str) -> torch.Tensor:
         try:
             if mode == "fail":
                 raise RuntimeError("replica failed before BatchNorm")
@@ -270,7 +270,7 @@ class _StepRunner(nn.Module):
                 return self.body[0](x)
             return self.body(x)
         except BaseException as err:
-            step.abort(index, err)
+            barrier.abort(index, err)
             raise
 
 
@@ -278,9 +278,9 @@ def _run_runner(modes: list[str], timeout: float) -> tuple[BaseException | None,
     model = convert_replica_batchnorm(_StepRunner())
     devices = [_CPU] * len(modes)
     replicas = replicate(model, devices)
-    step = SyncBatchNormStep([4] * len(modes), timeout=timeout)
-    attach_step(replicas, step)
-    inputs = [(torch.randn(4, 3), step, i, mode) for i, mode in enumerate(modes)]
+    barrier = ReplicaBarrier(len(modes), timeout=timeout)
+    attach_step(replicas, barrier)
+    inputs = [(torch.randn(4, 3), barrier, i, mode) for i, mode in enumerate(modes)]
     start = time.monotonic()
     try:
         parallel_apply(replicas, inputs, [{}] * len(modes), devices)
@@ -293,8 +293,8 @@ def test_a_failing_replica_releases_the_waiting_ones_at_once() -> None:
     error, elapsed = _run_runner(["ok", "fail", "ok"], timeout=60)
     # parallel_apply re-raises the first replica's error as torch's CUDA one does (a copy holding the traceback text,
     # causes included): the released replica 0, caused by replica 1's failure.
-    assert isinstance(error, SyncBatchNormAborted), error
-    assert "because replica 1 failed" in str(error)
+    assert isinstance(error, ReplicaAborted), error
+    assert "Replica 0 stopped at synchronized BatchNorm layer 'body.1' because replica 1 failed" in str(error)
     assert "RuntimeError: replica failed before BatchNorm" in str(error)
     assert elapsed < 10
 
@@ -302,8 +302,8 @@ def test_a_failing_replica_releases_the_waiting_ones_at_once() -> None:
 def test_a_replica_that_skips_a_layer_times_out_with_the_layer_name() -> None:
     error, elapsed = _run_runner(["ok", "skip_batchnorm"], timeout=0.5)
     assert isinstance(error, RuntimeError), error
-    assert "waited 0.5s at synchronized BatchNorm layer 'body.1'" in str(error)
-    assert "for replicas [1]" in str(error)
+    assert "waited 0.5s (the timeout) at synchronized BatchNorm layer 'body.1' (call 1) for replicas [1]" in str(error)
+    assert "a BatchNorm inside a data-dependent branch cannot be synchronized" in str(error)
     assert 0.5 <= elapsed < 10
 
 
@@ -355,15 +355,37 @@ def test_convert_keeps_parameters_and_refuses_lazy_layers() -> None:
 def test_attach_checks_its_arguments() -> None:
     model = convert_replica_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
     with pytest.raises(ValueError, match="not a replica"):
-        attach_step([model], SyncBatchNormStep([3]))
-    with pytest.raises(ValueError, match="got 1 replicas for a step of 2"):
-        attach_step(replicate(model, [_CPU]), SyncBatchNormStep([3, 4]))
+        attach_step([model], ReplicaBarrier(1, timeout=30))
+    with pytest.raises(ValueError, match="got 1 replicas for a barrier of 2 parties"):
+        attach_step(replicate(model, [_CPU]), ReplicaBarrier(2, timeout=30))
+
+
+def test_the_old_step_and_abort_names_still_work_and_warn() -> None:
+    # 0.1's SyncBatchNormStep(chunk_sizes) is the step's barrier; SyncBatchNormAborted is the barrier's abort error.
+    with pytest.deprecated_call(match=r"replica_batchnorm\.SyncBatchNormStep` is deprecated, use .*ReplicaBarrier"):
+        from lightning_balanced.data_parallel.replica_batchnorm import SyncBatchNormStep
+    with pytest.deprecated_call(match=r"replica_batchnorm\.SyncBatchNormAborted` is deprecated, use .*ReplicaAborted"):
+        from lightning_balanced.data_parallel.replica_batchnorm import SyncBatchNormAborted
+    assert SyncBatchNormAborted is ReplicaAborted
     with pytest.raises(ValueError, match="`chunk_sizes`"):
         SyncBatchNormStep([])
     with pytest.raises(ValueError, match="`chunk_sizes`"):
         SyncBatchNormStep([2, -1])
     with pytest.raises(ValueError, match="`timeout`"):
         SyncBatchNormStep([2], timeout=0)
+    step = SyncBatchNormStep([2, 3], timeout=30)
+    assert isinstance(step, ReplicaBarrier)
+    assert (step.chunk_sizes, step.parties, step.timeout) == ([2, 3], 2, 30.0)
+    # The 0.1 protocol: attach the step, run the replicas; the result is full-batch BatchNorm.
+    bn = nn.BatchNorm1d(3, dtype=torch.float64)
+    reference = copy.deepcopy(bn)
+    replicas = replicate(convert_replica_batchnorm(nn.Sequential(bn)), [_CPU, _CPU])
+    attach_step(replicas, step)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    out = parallel_apply(replicas, [(x[:2],), (x[2:],)], [{}, {}], [_CPU, _CPU])
+    torch.testing.assert_close(torch.cat(out), reference(x), **_TOL)
+    with pytest.raises(AttributeError, match="has no attribute 'SyncBatchNormNothing'"):
+        _ = sync_batchnorm_module.SyncBatchNormNothing
 
 
 def test_layers_found_once_reach_every_replica_through_changes_of_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -372,9 +394,9 @@ def test_layers_found_once_reach_every_replica_through_changes_of_the_tree(monke
     finds: list[int] = []
     search, find = sync_batchnorm_module.attach_step, SyncBatchNormLayers._find
 
-    def counted_search(replicas: Any, step: SyncBatchNormStep) -> None:
+    def counted_search(replicas: Any, barrier: ReplicaBarrier) -> None:
         searches.append(len(replicas))
-        search(replicas, step)
+        search(replicas, barrier)
 
     def counted_find(self: SyncBatchNormLayers) -> None:
         finds.append(1)
@@ -417,9 +439,9 @@ def test_layers_found_once_check_their_arguments_as_attach_step() -> None:
     model = convert_replica_batchnorm(nn.Sequential(nn.BatchNorm1d(3)))
     layers = SyncBatchNormLayers(model)
     with pytest.raises(ValueError, match="not a replica"):
-        layers.attach([model], SyncBatchNormStep([3]))
-    with pytest.raises(ValueError, match="got 1 replicas for a step of 2"):
-        layers.attach(replicate(model, [_CPU]), SyncBatchNormStep([3, 4]))
+        layers.attach([model], ReplicaBarrier(1, timeout=30))
+    with pytest.raises(ValueError, match="got 1 replicas for a barrier of 2 parties"):
+        layers.attach(replicate(model, [_CPU]), ReplicaBarrier(2, timeout=30))
 
 
 @pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)

@@ -471,9 +471,9 @@ class _DivergentManual(Regressor):
 def test_manual_optimization_never_hangs_when_replicas_diverge(failure: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import lightning_balanced.strategies.balanced_dp as balanced_dp_module
 
-    monkeypatch.setattr(balanced_dp_module, "_RENDEZVOUS_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(balanced_dp_module, "_REPLICA_TIMEOUT_S", 2.0)
     trainer = _trainer(BalancedDataParallelStrategy(chunk_sizes=[4, 2, 4]), max_steps=1)
-    expected = r"waited 2s for the other replicas to call `manual_backward`" if failure == "diverge" else "fails"
+    expected = r"waited 2s \(the timeout\) at `manual_backward` for replicas \[1\]" if failure == "diverge" else "fails"
     with pytest.raises((RuntimeError, KeyError), match=expected) as info:
         trainer.fit(_DivergentManual(failure), DataLoader(_data(10), batch_size=10))
     if failure == "raise":  # released at once, with the failing replica's error as the cause

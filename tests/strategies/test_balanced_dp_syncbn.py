@@ -4,6 +4,7 @@ split, BatchNorm included."""
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -161,6 +162,47 @@ def test_a_synchronized_layer_moved_between_steps_stays_synchronized() -> None:
     _assert_equal_runs(got, expected)
     assert type(got.flat_bn[0]) is nn.BatchNorm1d  # the user's layer back at teardown, in its new container
     assert int(got.flat_bn[0].num_batches_tracked) == 2
+
+
+class _FailsBetweenTheLayers(BatchNormNet):
+    """The replica with 2 samples fails after the first synchronized layer; the others wait at the second one."""
+
+    def __init__(self, manual: bool) -> None:
+        super().__init__(1, 0.1, True)
+        self.automatic_optimization = not manual
+        self.raised: list[BaseException] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        features = self.head(self.features(x))
+        if len(x) == 2:
+            self.raised.append(KeyError("replica with 2 samples fails"))
+            raise self.raised[-1]
+        loss = F.mse_loss(self.flat_bn(features), y)
+        if not self.automatic_optimization:
+            self.manual_backward(loss)
+        return loss
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_a_replica_failing_between_two_synchronized_layers_surfaces_its_own_error_at_once(
+    manual: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The layers and the manual-optimization calls meet at the step's one barrier: the failure releases the waiting
+    # replicas at once (not after the timeout), and the fit raises the failing replica's own exception, not the
+    # ReplicaAborted of a released one.
+    import lightning_balanced.strategies.balanced_dp as balanced_dp_module
+
+    monkeypatch.setattr(balanced_dp_module, "_REPLICA_TIMEOUT_S", 60.0)
+    model = _FailsBetweenTheLayers(manual)
+    strategy = BalancedDataParallelStrategy(chunk_sizes=[4, 2, 4], sync_batchnorm=True)
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="replica with 2 samples fails") as info:
+        quiet_trainer(strategy, 3, max_steps=1).fit(model, DataLoader(_data(1, 10), batch_size=10))
+    assert time.monotonic() - start < 30
+    assert model.raised == [info.value]
+    assert any("replica 1" in note for note in info.value.__notes__)
+    assert type(model.flat_bn) is nn.BatchNorm1d  # reverted at teardown after the failure too
 
 
 @pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
