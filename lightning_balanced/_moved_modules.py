@@ -5,6 +5,10 @@ at the end of ``sys.meta_path``; importing an old path then gives a module that 
 module (the same functions and classes, so ``isinstance`` and identity checks hold) and warns once with a
 ``DeprecationWarning`` naming the new path. A moved package also maps its submodules (``parallel.scatter`` →
 ``data_parallel.scatter``) unless a row says otherwise.
+
+A public name that moved out of a module that is still there is one row of :data:`MOVED_NAMES`: the old module's
+``__getattr__`` gives the object at the new path and warns, every time, with a ``DeprecationWarning`` naming it. This
+module sits above the rest of the package, so the modules that lost a name need not import it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["MOVED", "REMOVED_IN", "MovedModuleFinder", "install"]
+__all__ = ["MOVED", "MOVED_NAMES", "REMOVED_IN", "MovedModuleFinder", "install"]
 
 REMOVED_IN = "0.3"
 
@@ -39,6 +43,12 @@ MOVED: dict[str, str] = {
     "lightning_balanced.strategies.ddp": "lightning_balanced.strategies.ddp_lr",
     "lightning_balanced.strategies.replica_hooks": "lightning_balanced.data_parallel.replica_context",
     "lightning_balanced.strategies.standalone": "lightning_balanced.strategies.pytorch_lightning_compat",
+}
+
+
+#: Old ``module.name`` -> new ``module.name``, for names that moved out of a module that still exists.
+MOVED_NAMES: dict[str, str] = {
+    "lightning_balanced.strategies.ddp_lr.DeviceSyncBatchNorm": "lightning_balanced.nn.layer_sync.DeviceSyncBatchNorm",
 }
 
 
@@ -91,6 +101,37 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Append :class:`MovedModuleFinder` to ``sys.meta_path`` once (after the real finders: real modules win)."""
+    """Append :class:`MovedModuleFinder` to ``sys.meta_path`` once (after the real finders: real modules win).
+
+    Also gives each module that lost a name of :data:`MOVED_NAMES` a ``__getattr__`` that forwards it.
+    """
     if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
         sys.meta_path.append(MovedModuleFinder())
+    moved: dict[str, dict[str, str]] = {}
+    for old, new in MOVED_NAMES.items():
+        module_name, _, name = old.rpartition(".")
+        moved.setdefault(module_name, {})[name] = new
+    for module_name, names in moved.items():
+        module = importlib.import_module(module_name)
+        if not isinstance(module.__dict__.get("__getattr__"), _NameForwarder):
+            module.__getattr__ = _NameForwarder(module_name, names)  # type: ignore[method-assign]
+
+
+class _NameForwarder:
+    """A module's ``__getattr__`` for the names that moved out of it: the object at the new path, and a warning."""
+
+    def __init__(self, module_name: str, names: dict[str, str]) -> None:
+        self.module_name = module_name
+        self.names = names
+
+    def __call__(self, name: str) -> Any:
+        if name not in self.names:
+            raise AttributeError(f"module {self.module_name!r} has no attribute {name!r}")
+        new = self.names[name]
+        warnings.warn(
+            f"`{self.module_name}.{name}` moved to `{new}`; the old path works until lightning_balanced {REMOVED_IN}",
+            DeprecationWarning,
+            stacklevel=2,  # names the line that reads the attribute (or imports it)
+        )
+        new_module, _, new_name = new.rpartition(".")
+        return getattr(importlib.import_module(new_module), new_name)

@@ -58,7 +58,7 @@ def test_a_module_in_no_layer_is_named(tmp_path):
 
 
 import lightning_balanced  # noqa: E402  (installs the finder of moved paths)
-from lightning_balanced._moved_modules import MOVED, REMOVED_IN  # noqa: E402
+from lightning_balanced._moved_modules import MOVED, MOVED_NAMES, REMOVED_IN  # noqa: E402
 
 # Old path -> a public name it held in 0.1, now the very object at the new path.
 OLD_NAMES = {
@@ -99,6 +99,23 @@ def test_an_old_module_path_warns_and_gives_the_same_objects(old):
     assert expected in messages
     assert [w.filename for w in caught if str(w.message) == expected] == [__file__]  # names the importing line
     assert getattr(module, attribute) is getattr(importlib.import_module(new), attribute)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_NAMES))
+def test_an_old_name_warns_and_gives_the_same_object(old):
+    module_name, _, name = old.rpartition(".")
+    new_module, _, new_name = MOVED_NAMES[old].rpartition(".")
+    module = importlib.import_module(module_name)
+    assert name not in vars(module)  # only reachable through the module's __getattr__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = getattr(module, name)
+    expected = f"`{old}` moved to `{MOVED_NAMES[old]}`; the old path works until lightning_balanced {REMOVED_IN}"
+    assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [expected]
+    assert [w.filename for w in caught] == [__file__]
+    assert value is getattr(importlib.import_module(new_module), new_name)
+    with pytest.raises(AttributeError, match=rf"^module '{module_name}' has no attribute 'no_such_name'$"):
+        module.no_such_name  # noqa: B018
 
 
 def test_every_moved_path_is_tested():

@@ -42,7 +42,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_balanced.data_parallel.barrier import DEFAULT_TIMEOUT_S, ReplicaAborted, ReplicaBarrier
 from lightning_balanced.data_parallel.stream_order import Ready, ready, use_on_current_stream
 from lightning_balanced.nn.conversion import convert_batchnorm, revert_batchnorm
-from lightning_balanced.nn.moments import Moments, batch_moments, check_batchnorm_input, combine_moments
+from lightning_balanced.nn.moments import (
+    Moments,
+    batch_moments,
+    check_batchnorm_input,
+    combine_moments,
+    moments_dtype,
+)
 
 __all__ = [
     "ReplicaSyncBatchNorm",
@@ -57,11 +63,6 @@ _TIMEOUT_HINT = (
     "With sync_batchnorm every replica must run the same BatchNorm layers the same number of times in each step; a"
     " BatchNorm inside a data-dependent branch cannot be synchronized."
 )
-
-
-def _statistics_dtype(device: torch.device) -> torch.dtype:
-    """float64 moments and combination (tiny (C,) tensors), float32 on MPS, which has no float64."""
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 class ReplicaSyncBatchNorm(_BatchNorm):
@@ -158,7 +159,7 @@ class ReplicaSyncBatchNorm(_BatchNorm):
         check_batchnorm_input(self, input)
         compute_dtype = torch.promote_types(input.dtype, torch.float32)
         x = input.to(compute_dtype)
-        stats_dtype = _statistics_dtype(input.device)
+        stats_dtype = moments_dtype(input.device)
         dims = [0, *range(2, input.dim())]
         local = batch_moments(x, dims, dtype=stats_dtype)
         count = input.numel() // input.shape[1] if input.shape[1] else 0

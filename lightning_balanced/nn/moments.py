@@ -16,7 +16,16 @@ import torch
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["Moments", "batch_moments", "check_batchnorm_input", "combine_moments"]
+__all__ = ["Moments", "batch_moments", "check_batchnorm_input", "combine_moments", "moments_dtype"]
+
+
+def moments_dtype(device: torch.device) -> torch.dtype:
+    """The dtype in which the package's BatchNorms form, exchange and combine moments on ``device``.
+
+    float64 (the ``(C,)`` tensors are tiny, and counts stay exact beyond ``2**24`` samples), float32 on MPS, which has
+    no float64.
+    """
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,7 @@ def batch_moments(input: Tensor, dim: Sequence[int], *, dtype: torch.dtype | Non
     count = 1
     for d in dims:
         count *= input.shape[d]
-    count_dtype = torch.float32 if input.device.type == "mps" else torch.float64
+    count_dtype = moments_dtype(input.device)
     # A fill on the device, not torch.tensor(..., device=...): that copies from pageable host memory, which makes the
     # host wait for every kernel queued before it on a CUDA stream.
     count_t = torch.full((), float(count), dtype=count_dtype, device=input.device)

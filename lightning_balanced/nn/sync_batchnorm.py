@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_balanced.nn.conversion import convert_batchnorm, revert_batchnorm
-from lightning_balanced.nn.moments import batch_moments, check_batchnorm_input, combine_moments
+from lightning_balanced.nn.moments import batch_moments, check_batchnorm_input, combine_moments, moments_dtype
 
 __all__ = ["SyncBatchNorm"]
 
@@ -30,11 +30,6 @@ _ORIGINAL_STATE_ATTR = "_original_batchnorm_state"
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 for float64 input, float32 for everything narrower (float16, bfloat16, float32)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _reduction_dtype(device: torch.device) -> torch.dtype:
-    """The dtype of the packed statistics: float64 keeps counts exact beyond 2**24 samples (MPS has no float64)."""
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _reduce_dims(input: Tensor) -> list[int]:
@@ -75,7 +70,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # Local moments (shifted sums, mean and M2 formed in float64), gathered as one packed [count, mean, M2] per
         # rank (shape (2C + 1,), float64, so counts stay exact); a rank with zero samples contributes count 0 (every
         # rank must call the collective).
-        red_dtype = _reduction_dtype(input.device)
+        red_dtype = moments_dtype(input.device)
         local = batch_moments(x, _reduce_dims(input), dtype=red_dtype)
         packed = torch.cat([local.count.to(red_dtype).view(1), local.mean, local.m2])
         gathered = packed.new_empty(dist.get_world_size(process_group), packed.numel())

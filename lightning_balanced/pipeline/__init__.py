@@ -11,10 +11,11 @@ documentation.
 
 from lightning_balanced.pipeline.balance import balance_by_parameters, balance_by_time, split_costs
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
-from lightning_balanced.pipeline.checkpoint import Checkpointing, is_recomputing
+from lightning_balanced.pipeline.checkpoint import Checkpointing
 from lightning_balanced.pipeline.dependency import depend, fork, join
 from lightning_balanced.pipeline.microbatch import plan_micro_batches, split
 from lightning_balanced.pipeline.pipe import Pipe
+from lightning_balanced.pipeline.recompute import is_recomputing
 from lightning_balanced.pipeline.schedule import clock_cycles
 
 __all__ = [

@@ -1,8 +1,10 @@
-"""Choosing the balance (layers per partition): from per-layer costs, measured or counted.
+"""Choosing the balance (layers per partition): even by layer count, or from per-layer costs, measured or counted.
 
 ``split_costs`` is the pure part: contiguous partitions that minimize the largest partition cost. The cost of a
 layer is its parameter count (deterministic), its forward+backward time on a sample micro-batch, or, on CUDA, the
-memory its forward pass keeps for backward plus its parameters and their gradients.
+memory its forward pass keeps for backward plus its parameters and their gradients. :func:`choose_balance` picks the
+cost by name (``"auto"``: memory on CUDA, time elsewhere) and falls back to parameter counts when ``"auto"`` cannot
+measure; :func:`even_balance` needs no cost at all.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.microbatch import flatten
 
 __all__ = [
+    "BALANCE_CHOICES",
+    "BalanceChoice",
     "BalanceMethod",
     "balance_by_parameters",
     "balance_by_time",
+    "choose_balance",
+    "even_balance",
     "layer_memory",
     "layer_parameters",
     "layer_times",
@@ -31,6 +37,33 @@ __all__ = [
 ]
 
 BalanceMethod = Literal["time", "memory", "parameters"]
+#: A balance asked for by name: a cost (:data:`BalanceMethod`), or ``"auto"`` (memory on CUDA, time elsewhere).
+BalanceChoice = Literal["auto", "time", "memory", "parameters"]
+BALANCE_CHOICES: tuple[BalanceChoice, ...] = ("auto", "time", "memory", "parameters")
+
+
+def even_balance(num_layers: int, partitions: int) -> list[int]:
+    """One partition per device, each of ``num_layers // partitions`` layers or one more (the larger ones first).
+
+    The balance for ``balance=None``: it needs neither a sample nor a measurement.
+
+    Args:
+        num_layers (int): the layers of the ``nn.Sequential``.
+        partitions (int): the number of partitions (one per device), at least 1.
+
+    Returns:
+        list[int]: ``partitions`` positive counts summing to ``num_layers``.
+
+    Raises:
+        ValueError: fewer layers than partitions (a partition would be empty).
+    """
+    if num_layers < partitions:
+        raise ValueError(
+            f"`balance`=None puts one partition on each of the {partitions} devices, but the nn.Sequential has only"
+            f" {num_layers} layers: give a `balance` with at most {num_layers} partitions, or use fewer devices"
+        )
+    base, extra = divmod(num_layers, partitions)
+    return [base + 1] * extra + [base] * (partitions - extra)
 
 
 def split_costs(costs: Sequence[float], partitions: int) -> list[int]:
@@ -223,3 +256,45 @@ def layer_memory(layers: Sequence[Module], sample: Any, device: torch.device, pa
                 value = flatten(output)[1]([t.detach() for t in flatten(output)[0]])
                 del output
     return costs
+
+
+def choose_balance(
+    layers: Sequence[Module], sample: Any, partitions: int, device: torch.device, choice: BalanceChoice
+) -> tuple[list[int], str]:
+    """The balance of ``layers`` over ``partitions`` by the cost ``choice`` names, and how it was chosen.
+
+    ``"time"`` (:func:`layer_times`), ``"memory"`` (:func:`layer_memory`, CUDA only) and ``"parameters"``
+    (:func:`layer_parameters`) are that cost; ``"auto"`` is ``"memory"`` on a CUDA ``device`` and ``"time"``
+    elsewhere, and falls back to parameter counts when the measurement fails (a ``RuntimeError`` such as out of
+    memory, or a ``ValueError``; every layer measuring 0 counts as a failure).
+
+    Args:
+        layers (Sequence[Module]): the layers of the ``nn.Sequential``, in order.
+        sample (Any): the input of the first layer (a micro-batch), for the measured costs.
+        partitions (int): between 1 and ``len(layers)``.
+        device (torch.device): where the layers are measured (one at a time).
+        choice (str): one of :data:`BALANCE_CHOICES`.
+
+    Returns:
+        tuple[list[int], str]: the balance (:func:`split_costs`) and the cost it evened out: ``"time"``,
+        ``"memory"``, ``"parameters"``, or ``"parameters (measuring <cost> failed: <error>)"`` after a fallback.
+
+    Raises:
+        RuntimeError, ValueError: the measurement of an explicitly named cost failed (no fallback but for ``"auto"``).
+    """
+    auto: BalanceMethod = "memory" if device.type == "cuda" else "time"
+    method: BalanceMethod = auto if choice == "auto" else choice
+    try:
+        if method == "memory":
+            costs = layer_memory(layers, sample, device)
+        elif method == "time":
+            costs = layer_times(layers, sample, device)
+        else:
+            costs = layer_parameters(layers)
+        if not any(costs):
+            raise ValueError("every layer measured 0")
+        return split_costs(costs, partitions), method
+    except (RuntimeError, ValueError) as err:
+        if choice != "auto" and method != "parameters":
+            raise
+        return balance_by_parameters(layers, partitions), f"parameters (measuring {method} failed: {err})"

@@ -10,7 +10,9 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_balanced.pipeline.checkpoint import is_recomputing
+from lightning_balanced.nn.conversion import convert_batchnorm, revert_batchnorm
+from lightning_balanced.nn.moments import Moments, batch_moments, check_batchnorm_input, combine_moments, moments_dtype
+from lightning_balanced.pipeline.recompute import is_recomputing
 
 __all__ = ["DeferredBatchNorm"]
 
@@ -23,12 +25,14 @@ class DeferredBatchNorm(_BatchNorm):
     Each micro-batch is normalized with its own statistics, as GPipe does, but the running statistics are those of the
     whole mini-batch.
 
-    In training, every forward pass of a micro-batch (outside a recomputation, :func:`is_recomputing`) adds the
-    micro-batch's per-channel count, mean and centered sum of squares to an accumulator, merged with Chan et al.'s
-    parallel formula in float32 (float64 for float64 running statistics); :meth:`commit`, called by the pipeline once
-    all micro-batches of a mini-batch went through, updates ``running_mean`` and ``running_var`` (with the unbiased
-    variance) and ``num_batches_tracked`` exactly once, as :class:`torch.nn.BatchNorm2d` would for the whole
-    mini-batch. In eval mode it is plain BatchNorm. Its ``state_dict`` has the keys of the BatchNorm it replaces.
+    In training, every forward pass of a micro-batch (outside a recomputation, :func:`is_recomputing`) records the
+    micro-batch's per-channel count, mean and centered sum of squares
+    (:func:`~lightning_balanced.nn.moments.batch_moments`: sums in float32, float64 for float64 running statistics;
+    moments in float64, float32 on MPS). :meth:`commit`, called by the pipeline once all micro-batches of a
+    mini-batch went through, merges them with Chan et al.'s parallel formula
+    (:func:`~lightning_balanced.nn.moments.combine_moments`) and updates ``running_mean`` and ``running_var`` (with
+    the unbiased variance) and ``num_batches_tracked`` exactly once, as :class:`torch.nn.BatchNorm2d` would for the
+    whole mini-batch. In eval mode it is plain BatchNorm. Its ``state_dict`` has the keys of the BatchNorm it replaces.
 
     Args:
         num_features, eps, momentum, affine, track_running_stats, device, dtype: as for
@@ -41,53 +45,49 @@ class DeferredBatchNorm(_BatchNorm):
     :class:`torch.nn.BatchNorm2d`; Chan, Golub & LeVeque (1979) for merging moments.
     """
 
+    #: The class :meth:`revert_deferred_batch_norm` makes for a layer that replaced none (one built directly).
     _original_class: type[_BatchNorm] = torch.nn.BatchNorm2d
+    #: The user's BatchNorm object this layer stands in for. Set by :meth:`convert_deferred_batch_norm`.
+    _user_batchnorm: _BatchNorm | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reset_accumulator()
 
     def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() < 2 or input.dim() > 5:
-            raise ValueError(f"expected 2D to 5D input (got {input.dim()}D input)")
+        check_batchnorm_input(self, input)
 
     def reset_accumulator(self) -> None:
         """Forget the micro-batches tracked since the last :meth:`commit`."""
-        self._count = 0
-        self._mean: Tensor | None = None
-        self._m2: Tensor | None = None
+        self._parts: list[Moments] = []
 
     def _track(self, input: Tensor) -> None:
         assert self.running_mean is not None
         dtype = torch.float64 if self.running_mean.dtype == torch.float64 else torch.float32
         with torch.no_grad():
-            x = input.detach().to(dtype).transpose(0, 1).reshape(input.shape[1], -1)
-            count = x.shape[1]
-            mean = x.mean(1)
-            m2 = ((x - mean[:, None]) ** 2).sum(1)
-            if self._mean is None or self._m2 is None:
-                self._count, self._mean, self._m2 = count, mean, m2
-                return
-            total = self._count + count
-            delta = mean - self._mean
-            self._mean = self._mean + delta * (count / total)
-            self._m2 = self._m2 + m2 + delta**2 * (self._count * count / total)
-            self._count = total
+            x = input.detach().to(dtype)
+            dims = [0, *range(2, x.dim())]
+            self._parts.append(batch_moments(x, dims, dtype=moments_dtype(x.device)))
 
     def commit(self) -> None:
         """Update the running statistics from the micro-batches tracked since the last commit; a no-op if none."""
-        if self._mean is None or self._m2 is None or not self.track_running_stats:
-            self.reset_accumulator()
+        parts = self._parts
+        self.reset_accumulator()
+        if not parts or not self.track_running_stats:
             return
         assert self.running_mean is not None and self.running_var is not None
         assert self.num_batches_tracked is not None
         with torch.no_grad():
+            total = combine_moments(
+                torch.stack([part.count for part in parts]),
+                torch.stack([part.mean for part in parts]),
+                torch.stack([part.m2 for part in parts]),
+            )
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            var = self._m2 / max(self._count - 1, 1)
-            self.running_mean.mul_(1 - factor).add_(self._mean.to(self.running_mean.dtype), alpha=factor)
+            var = total.m2 / (total.count - 1).clamp_min(1)  # unbiased
+            self.running_mean.mul_(1 - factor).add_(total.mean.to(self.running_mean.dtype), alpha=factor)
             self.running_var.mul_(1 - factor).add_(var.to(self.running_var.dtype), alpha=factor)
-        self.reset_accumulator()
 
     def forward(self, input: Tensor) -> Tensor:
         """Normalize ``input`` (a micro-batch); in training, also track it for :meth:`commit`."""
@@ -105,52 +105,45 @@ class DeferredBatchNorm(_BatchNorm):
     def convert_deferred_batch_norm(cls, module: Module) -> Module:
         """Replace every ``nn.BatchNorm1d/2d/3d`` in ``module`` by a :class:`DeferredBatchNorm`.
 
-        The replacement holds the same parameters and buffers (the same tensors) and forward hooks. Returns the
-        converted module (``module`` itself unless it is a BatchNorm).
+        Only those three classes are replaced (not their subclasses, whose ``forward`` may differ). The replacement
+        holds the same parameters and buffers (the same tensors), training flag and forward hooks (the same hook
+        dicts), through :func:`~lightning_balanced.nn.conversion.convert_batchnorm`, and keeps the user's layer for
+        :meth:`revert_deferred_batch_norm`. Returns the converted module (``module`` itself unless it is a BatchNorm).
         """
-        if type(module) in _CONVERTIBLE:
-            assert isinstance(module, _BatchNorm)
-            converted = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-            converted._original_class = type(module)
-            _move_state(module, converted)
-            return converted
-        for name, child in module.named_children():
-            replacement = cls.convert_deferred_batch_norm(child)
-            if replacement is not child:
-                module.add_module(name, replacement)
-        return module
+
+        def build(layer: _BatchNorm) -> DeferredBatchNorm:
+            deferred = cls(
+                layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats, device="meta"
+            )
+            deferred._original_class = type(layer)
+            object.__setattr__(deferred, "_user_batchnorm", layer)  # not registered as a child module
+            return deferred
+
+        return convert_batchnorm(
+            module, build, cls, convertible=lambda layer: type(layer) in _CONVERTIBLE, carry_hooks=True
+        )
 
     @classmethod
     def revert_deferred_batch_norm(cls, module: Module) -> Module:
         """Undo :meth:`convert_deferred_batch_norm`: each :class:`DeferredBatchNorm` becomes its original class again.
 
-        The parameters, buffers and forward hooks are carried over.
+        A converted layer gives back the user's very BatchNorm object; one built directly becomes a new
+        ``nn.BatchNorm2d``. Either holds the current parameters, buffers, hyperparameters, training flag and forward
+        hooks of the :class:`DeferredBatchNorm` (:func:`~lightning_balanced.nn.conversion.revert_batchnorm`).
         """
-        if isinstance(module, DeferredBatchNorm):
-            reverted = module._original_class(
-                module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+
+        def original(stand_in: Module) -> _BatchNorm | None:
+            if not isinstance(stand_in, DeferredBatchNorm):
+                return None
+            if stand_in._user_batchnorm is not None:
+                return stand_in._user_batchnorm
+            return stand_in._original_class(
+                stand_in.num_features,
+                stand_in.eps,
+                stand_in.momentum,
+                stand_in.affine,
+                stand_in.track_running_stats,
+                device="meta",  # its parameters and buffers are the stand-in's
             )
-            _move_state(module, reverted)
-            return reverted
-        for name, child in module.named_children():
-            replacement = cls.revert_deferred_batch_norm(child)
-            if replacement is not child:
-                module.add_module(name, replacement)
-        return module
 
-
-def _move_state(source: _BatchNorm, target: _BatchNorm) -> None:
-    for name in ("weight", "bias"):
-        target._parameters[name] = source._parameters.get(name)
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        target._buffers[name] = source._buffers.get(name)
-    target.train(source.training)
-    for hooks in (
-        "_forward_hooks",
-        "_forward_hooks_with_kwargs",
-        "_forward_hooks_always_called",
-        "_forward_pre_hooks",
-        "_forward_pre_hooks_with_kwargs",
-    ):
-        if hasattr(source, hooks):
-            setattr(target, hooks, getattr(source, hooks))
+        return revert_batchnorm(module, original, carry_hooks=True)

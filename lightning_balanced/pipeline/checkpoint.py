@@ -6,15 +6,15 @@ its gradient is needed.
 The pair shares one :class:`Checkpointing` per task. ``Recompute`` hangs off the checkpoint's output through a
 fork/join edge, so the autograd engine runs it before ``Checkpoint``'s backward, which then backpropagates through the
 recomputed graph. The recomputation re-enters the task's autocast (thread-local, and the engine's threads have none),
-replays the task's random numbers (same dropout masks), leaves plain BatchNorm running statistics alone and tells
-:class:`~lightning_balanced.pipeline.DeferredBatchNorm` not to count the micro-batch twice (:func:`is_recomputing`).
+replays the task's random numbers (same dropout masks), leaves plain BatchNorm running statistics alone and enters
+the recompute mode (:mod:`lightning_balanced.pipeline.recompute`), which tells
+:class:`~lightning_balanced.pipeline.DeferredBatchNorm` not to count the micro-batch twice.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -24,26 +24,11 @@ from lightning_balanced.pipeline.dependency import fork, join, phony
 from lightning_balanced.pipeline.microbatch import flatten
 from lightning_balanced.pipeline.modes import ThreadModes
 from lightning_balanced.pipeline.partition import Partition
+from lightning_balanced.pipeline.recompute import is_recomputing, recomputing
 from lightning_balanced.pipeline.rng import seeded
 
+# ``is_recomputing`` stays importable from here, where it was defined before it moved to ``pipeline.recompute``.
 __all__ = ["Checkpointing", "is_recomputing"]
-
-_state = threading.local()
-
-
-def is_recomputing() -> bool:
-    """Whether the current thread is recomputing a checkpointed partition in backward."""
-    return bool(getattr(_state, "recomputing", False))
-
-
-@contextmanager
-def _recomputing() -> Iterator[None]:
-    previous = is_recomputing()
-    _state.recomputing = True
-    try:
-        yield
-    finally:
-        _state.recomputing = previous
 
 
 class Checkpointing:
@@ -69,7 +54,7 @@ class Checkpointing:
                 stack.enter_context(seeded(self.partition.device, self.seed))
             if recompute:
                 stack.enter_context(self.modes.for_recompute().enter())
-                stack.enter_context(_recomputing())
+                stack.enter_context(recomputing())
                 stack.enter_context(self.partition.frozen_batchnorm_statistics())
             return self.partition(value)
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.microbatch import flatten
 from lightning_balanced.pipeline.rng import draws_random_numbers
 
@@ -79,7 +80,8 @@ class Partition:
         swapped: list[tuple[_BatchNorm, dict[str, Tensor | None]]] = []
         for _, layer in self.layers:
             for m in layer.modules():
-                if isinstance(m, _BatchNorm) and m.training and m.track_running_stats and not _is_deferred(m):
+                deferred = isinstance(m, DeferredBatchNorm)  # tracks in its accumulator, told by the recompute mode
+                if isinstance(m, _BatchNorm) and m.training and m.track_running_stats and not deferred:
                     names = ("running_mean", "running_var", "num_batches_tracked")
                     originals = {name: m._buffers[name] for name in names}
                     for name, buffer in originals.items():
@@ -90,12 +92,6 @@ class Partition:
         finally:
             for m, originals in swapped:
                 m._buffers.update(originals)
-
-
-def _is_deferred(module: Module) -> bool:
-    from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
-
-    return isinstance(module, DeferredBatchNorm)
 
 
 def _clone(value: Any) -> Any:

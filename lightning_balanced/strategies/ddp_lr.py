@@ -10,11 +10,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn import Module
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -27,48 +25,11 @@ from lightning_balanced.lr_scaling import (
     validate_policy,
     warmup_multiplier,
 )
-from lightning_balanced.nn.conversion import revert_batchnorm
+from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm as _DeviceSyncBatchNorm  # the old name warns
 
 # Set on the LightningModule by a `Tuner.lr_find` run under this strategy: the learning rate it suggests was found at
 # this factor's effective batch, so the next fit treats it as already scaled by it.
 _LR_FOUND_AT_FACTOR = "_lightning_balanced_lr_found_at_factor"
-
-
-class DeviceSyncBatchNorm(LayerSync):
-    """Lightning ``LayerSync`` plugin: torch's ``SyncBatchNorm`` on CUDA, ours elsewhere; reverts to the user's layers.
-
-    :meth:`revert` puts the very BatchNorm objects :meth:`apply` replaced back into the model (their class, hooks and
-    attributes intact), wherever the synchronized layers are now, holding their current parameters, buffers,
-    hyperparameters and training flag.
-
-    Args:
-        device_type (Callable[[], str]): returns the type of the strategy's root device when :meth:`apply` runs.
-    """
-
-    def __init__(self, device_type: Callable[[], str]) -> None:
-        self._device_type = device_type
-        self._originals: dict[Module, _BatchNorm] = {}
-
-    @override
-    def apply(self, model: Module) -> Module:
-        """Replace every BatchNorm layer of ``model`` by a synchronized one sharing its parameters and buffers."""
-        from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
-
-        originals = {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
-        if self._device_type() == "cuda":
-            converted: Module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:
-            converted = SyncBatchNorm.convert_sync_batchnorm(model)
-        # Each synchronized layer -> the user's layer it replaced (torch's converter keeps no link back).
-        synced = {name: converted.get_submodule(name) for name in originals}
-        self._originals = {synced[name]: m for name, m in originals.items() if synced[name] is not m}
-        return converted
-
-    @override
-    def revert(self, model: Module) -> Module:
-        """Put the user's BatchNorm layers back, with the trained state of the synchronized ones."""
-        originals, self._originals = self._originals, {}
-        return revert_batchnorm(model, originals.get)
 
 
 def _train_batch_size(trainer: pl.Trainer) -> int | None:
@@ -130,7 +91,7 @@ class LRScaledDDP(_StrategyBase):
         layer_sync = importlib.import_module(f"{self._lightning_package}.plugins.layer_sync")
         torch_sync_batchnorm = layer_sync.TorchSyncBatchNorm
         if self.sync_batchnorm and (self._layer_sync is None or isinstance(self._layer_sync, torch_sync_batchnorm)):
-            self._layer_sync = DeviceSyncBatchNorm(lambda: self.root_device.type)
+            self._layer_sync = _DeviceSyncBatchNorm(lambda: self.root_device.type)
         super().setup(trainer)
 
     def scale_factor(self, trainer: pl.Trainer) -> tuple[float, str]:

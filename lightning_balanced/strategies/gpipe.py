@@ -20,22 +20,13 @@ from typing_extensions import override
 
 from lightning_balanced.data_parallel import virtual_devices
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
-from lightning_balanced.pipeline.balance import (
-    BalanceMethod,
-    balance_by_parameters,
-    layer_memory,
-    layer_parameters,
-    layer_times,
-    split_costs,
-)
+from lightning_balanced.pipeline.balance import BALANCE_CHOICES, BalanceChoice, choose_balance, even_balance
 from lightning_balanced.pipeline.pipe import validate_balance, validate_checkpoint, validate_chunks
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 __all__ = ["GPipeStrategy"]
 
 log = logging.getLogger(__name__)
-
-_BALANCE_METHODS: tuple[str, ...] = ("auto", "time", "memory", "parameters")
 
 
 class GPipeStrategy(SingleProcess, ParallelStrategy):
@@ -120,9 +111,9 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         if isinstance(balance, str):
-            if balance not in _BALANCE_METHODS:
+            if balance not in BALANCE_CHOICES:
                 raise ValueError(
-                    f"`balance` must be a list of ints, None or one of {list(_BALANCE_METHODS)}, got {balance!r}"
+                    f"`balance` must be a list of ints, None or one of {list(BALANCE_CHOICES)}, got {balance!r}"
                 )
             self.balance: list[int] | str | None = balance
         else:
@@ -222,7 +213,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         if isinstance(self.balance, list):
             balance: Any = validate_balance(self.balance, len(sequential), len(devices))
         elif self.balance is None:
-            balance = _even_balance(len(sequential), len(devices))
+            balance = even_balance(len(sequential), len(devices))
         elif self.balance == "memory" and devices[0].type != "cuda":
             raise ValueError(f"`balance`='memory' measures CUDA memory, but the devices are {devices}")
         else:
@@ -269,25 +260,9 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         """Choose the balance on the first micro-batch (``balance`` "auto", "time", "memory" or "parameters")."""
         layers = [m for m in pipe._modules.values() if m is not None]
         partitions = min(len(pipe.devices), len(layers))
-        device = pipe.devices[0]
-        auto: BalanceMethod = "memory" if device.type == "cuda" else "time"
-        method: BalanceMethod = auto if self.balance == "auto" else self.balance  # type: ignore[assignment]
-        try:
-            if method == "memory":
-                costs = layer_memory(layers, sample, device)
-            elif method == "time":
-                costs = layer_times(layers, sample, device)
-            else:
-                costs = layer_parameters(layers)
-            if not any(costs):
-                raise ValueError("every layer measured 0")
-            self._balance_method = method
-            return split_costs(costs, partitions)
-        except (RuntimeError, ValueError) as err:
-            if self.balance != "auto" and method != "parameters":
-                raise
-            self._balance_method = f"parameters (measuring {method} failed: {err})"
-            return balance_by_parameters(layers, partitions)
+        choice: BalanceChoice = self.balance  # type: ignore[assignment]
+        balance, self._balance_method = choose_balance(layers, sample, partitions, pipe.devices[0], choice)
+        return balance
 
     def _on_balanced(self, pipe: Pipe) -> None:
         self._optimizer_states_to_parameter_devices()
@@ -338,13 +313,3 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else ""
             )
-
-
-def _even_balance(num_layers: int, num_devices: int) -> list[int]:
-    if num_layers < num_devices:
-        raise ValueError(
-            f"`balance`=None puts one partition on each of the {num_devices} devices, but the nn.Sequential has only"
-            f" {num_layers} layers: give a `balance` with at most {num_layers} partitions, or use fewer devices"
-        )
-    base, extra = divmod(num_layers, num_devices)
-    return [base + 1] * extra + [base] * (num_devices - extra)

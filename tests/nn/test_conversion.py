@@ -3,7 +3,8 @@
 They share one module-tree converter (``lightning_balanced.nn.conversion``): a user's layer, whatever its
 subclass adds, is carried into the stand-in and back. The one difference they keep is what revert returns: the replica
 converter the user's very object, SyncBatchNorm a new object of the user's class (as torch/mmcv's reverts do). The DDP
-strategies' layer-sync plugin reverts with the same walk to the user's very objects.
+strategies' layer-sync plugin (``tests/nn/test_layer_sync.py``) and the pipeline's DeferredBatchNorm
+(``tests/pipeline/test_batchnorm.py``) revert with the same walk to the user's very objects.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from lightning_balanced.data_parallel.replica_batchnorm import (
     convert_replica_batchnorm,
     revert_replica_batchnorm,
 )
+from lightning_balanced.nn.conversion import convert_batchnorm, revert_batchnorm
 from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
-from lightning_balanced.strategies.ddp_lr import DeviceSyncBatchNorm
 
 _CONVERTERS: dict[str, tuple[Callable[[nn.Module], nn.Module], Callable[[nn.Module], nn.Module], type[nn.Module]]] = {
     "SyncBatchNorm": (SyncBatchNorm.convert_sync_batchnorm, SyncBatchNorm.revert_sync_batchnorm, SyncBatchNorm),
@@ -112,25 +113,29 @@ def test_converters_leave_each_others_stand_ins_alone_only_for_their_own_type(co
     assert convert(own) is own
 
 
-def test_the_ddp_layer_sync_gives_the_users_layers_back_wherever_the_synchronized_ones_are() -> None:
-    layer_sync = DeviceSyncBatchNorm(lambda: "cpu")
+def test_convertible_picks_the_layers_and_carry_hooks_shares_the_hook_dicts() -> None:
     model = _model()
-    user_layers = [model[1], model[2][0]]
-    converted = layer_sync.apply(model)
-    assert [type(converted[1]), type(converted[2][0])] == [SyncBatchNorm] * 2
-    converted(torch.randn(6, 3))
-    converted[1].momentum = 0.5
-    converted[2][0].eval()
-    converted[2] = nn.Sequential(nn.Identity(), converted[2][0])  # moved while fitting (a name lookup would miss it)
-    trained = {k: v.clone() for k, v in converted.state_dict().items()}
+    user = model[2][0]
+    calls: list[str] = []
+    user.register_forward_pre_hook(lambda *_: calls.append("pre"))
+    user.register_forward_hook(lambda *_: calls.append("post"))
 
-    reverted = layer_sync.revert(converted)
-    assert reverted[1] is user_layers[0] and reverted[2][1] is user_layers[1]
-    assert type(reverted[2][0]) is nn.Identity
-    for key, value in reverted.state_dict().items():
-        assert torch.equal(value, trained[key]), key
-    assert reverted[1].momentum == 0.5
-    assert reverted[1].training and not reverted[2][1].training
-    # A model that is a single layer comes back as that layer.
-    bn = nn.BatchNorm2d(2)
-    assert layer_sync.revert(layer_sync.apply(bn)) is bn
+    def build(layer: _BatchNorm) -> SyncBatchNorm:
+        return SyncBatchNorm(layer.num_features, device="meta")
+
+    converted = convert_batchnorm(
+        model, build, SyncBatchNorm, convertible=lambda layer: type(layer) is nn.BatchNorm1d, carry_hooks=True
+    )
+    assert type(converted[1]) is RichBatchNorm  # not convertible: left as it is
+    stand_in = converted[2][0]
+    assert type(stand_in) is SyncBatchNorm and stand_in._forward_hooks is user._forward_hooks
+    stand_in(torch.randn(4, 4))
+    assert calls == ["pre", "post"]
+
+    fresh = nn.BatchNorm1d(4, device="meta")
+    reverted = revert_batchnorm(converted, lambda m: fresh if m is stand_in else None, carry_hooks=True)
+    assert reverted[2][0] is fresh and fresh._forward_pre_hooks is user._forward_pre_hooks
+    assert fresh.running_mean is stand_in.running_mean
+    # Without carry_hooks (the default), neither direction shares them.
+    other = convert_batchnorm(nn.BatchNorm1d(4), build, SyncBatchNorm)
+    assert other._forward_hooks is not user._forward_hooks and not other._forward_hooks

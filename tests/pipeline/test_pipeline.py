@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe, clock_cycles, plan_micro_batches, split_costs
-from lightning_balanced.pipeline.balance import balance_by_parameters, layer_times
 from lightning_balanced.pipeline.streams import CopyStreams, copy_to_device
 from tests.helpers import CUDA_DEVICE_LISTS, RunIf
 
@@ -352,29 +351,6 @@ def test_plain_batchnorm_is_not_updated_again_by_the_recomputation() -> None:
         stats[checkpoint] = (model[1].running_mean.clone(), int(model[1].num_batches_tracked))
     assert stats["always"][1] == stats["never"][1] == 3  # once per micro-batch, not again in backward
     torch.testing.assert_close(stats["always"][0], stats["never"][0], rtol=0, atol=0)
-
-
-# ---- balance ---------------------------------------------------------------------------------------------------------
-def test_balance_by_parameters_is_deterministic() -> None:
-    model = nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 10), nn.ReLU(), nn.Linear(10, 10))
-    assert balance_by_parameters(list(model), 2) == [1, 4]
-    assert balance_by_parameters(list(model), 3) == [1, 2, 2]  # ties broken toward the more even split
-
-
-def test_layer_times_leave_no_trace() -> None:
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 1))
-    model[0].weight.grad = torch.ones(4, 4)
-    before = copy.deepcopy(model.state_dict())
-    sample = torch.randn(8, 4)
-    torch.manual_seed(3)
-    times = layer_times(list(model), sample, torch.device("cpu"), repeats=2)
-    after_rng = torch.rand(1)
-    torch.manual_seed(3)
-    assert torch.equal(after_rng, torch.rand(1))  # the global generator did not move
-    assert len(times) == 4 and all(t > 0 for t in times)
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, before[key]), key
-    assert torch.equal(model[0].weight.grad, torch.ones(4, 4)) and model[3].weight.grad is None
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------------

@@ -226,12 +226,12 @@ def test_balance_is_reported_once_one_line_per_partition(
 def test_auto_balance_falls_back_to_parameter_counts(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import lightning_balanced.strategies.gpipe as gpipe
+    import lightning_balanced.pipeline.balance as balance  # where the strategy's balance is chosen
 
     def fail(*args: Any, **kwargs: Any) -> list[float]:
         raise RuntimeError("out of memory while profiling")
 
-    monkeypatch.setattr(gpipe, "layer_times", fail)
+    monkeypatch.setattr(balance, "layer_times", fail)
     with caplog.at_level(logging.INFO):
         record = fit(GPipeStrategy(balance="auto", chunks=2), devices=3)
     lines = gpipe_lines(caplog)
