@@ -1,5 +1,5 @@
-// Schemas of nms and batched_nms; their kernels are in cpu/, cuda/ and autocast/, their argument
-// checks in nms_checks.h.
+// Schemas of nms, batched_nms and batched_nms_padded; their kernels are in cpu/, cuda/ and autocast/,
+// their argument checks in nms_checks.h.
 
 #include <torch/library.h>
 
@@ -9,4 +9,15 @@ TORCH_LIBRARY_FRAGMENT(lightning_balanced, m) {
   // Per-class NMS (boxes of different `idxs` never suppress each other) on the original
   // coordinates, without the coordinate-offset trick; same output convention as nms.
   m.def("batched_nms(Tensor boxes, Tensor scores, Tensor idxs, float iou_threshold, int offset=0) -> Tensor");
+  // A batch of images of N boxes each, in fixed shapes and without a sync: keep [B, max_output] (input indices
+  // by decreasing score, -1 after the last) and num_kept [B] (-1 for an image with a NaN or infinite value).
+  // A score of -inf marks a padding box. With idxs, per-class NMS within each image.
+  m.def(
+      "batched_nms_padded(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int max_output, "
+      "int offset=0) -> (Tensor, Tensor)");
+  // Private, CPU only: the CUDA kernels' tiled algorithm and step order run on the host (nms_tiled_driver.h),
+  // for the tests. Returns the raw keep [B, capacity] and counters [B, 4] (kept, tile kept, bad score, bad box).
+  m.def(
+      "_nms_tiled_schedule(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int offset, bool padded, "
+      "int capacity, int tile_rows) -> (Tensor, Tensor)");
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 namespace lightning_balanced {
 
@@ -56,5 +57,36 @@ inline void check_idxs_arg(const at::Tensor& boxes, const at::Tensor& idxs) {
 }
 
 inline at::Tensor idxs_as_int64(const at::Tensor& idxs) { return idxs.to(at::kLong); }
+
+// batched_nms_padded: boxes [B, N, 4], scores [B, N], idxs [B, N] (or none), max_output >= 0. Values are not
+// checked here (that would need a sync): a NaN or infinite value gives the image num_kept = -1 instead.
+inline void check_padded_args(const char* op, const at::Tensor& boxes, const at::Tensor& scores,
+                              const std::optional<at::Tensor>& idxs, double iou_threshold, int64_t max_output,
+                              int64_t offset) {
+  TORCH_CHECK_VALUE(boxes.dim() == 3 && boxes.size(2) == 4, op, ": boxes must have shape (B, N, 4), got ",
+                    boxes.sizes());
+  TORCH_CHECK_VALUE(scores.dim() == 2 && scores.size(0) == boxes.size(0) && scores.size(1) == boxes.size(1), op,
+                    ": scores must have shape (B, N) = (", boxes.size(0), ", ", boxes.size(1), "), got ",
+                    scores.sizes());
+  const auto dt = boxes.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16, op,
+                   ": boxes must be float16, bfloat16, float32 or float64, got ", dt);
+  TORCH_CHECK_TYPE(scores.scalar_type() == dt, op, ": scores must have the dtype of boxes (", dt, "), got ",
+                   scores.scalar_type());
+  TORCH_CHECK_VALUE(boxes.device() == scores.device(), op, ": boxes and scores must be on the same device, got ",
+                    boxes.device(), " and ", scores.device());
+  if (idxs.has_value()) {
+    TORCH_CHECK_VALUE(idxs->sizes() == scores.sizes(), op, ": idxs must have shape (B, N) = (", boxes.size(0), ", ",
+                      boxes.size(1), "), got ", idxs->sizes());
+    TORCH_CHECK_TYPE(at::isIntegralType(idxs->scalar_type(), /*includeBool=*/false), op,
+                     ": idxs must have an integer dtype, got ", idxs->scalar_type());
+    TORCH_CHECK_VALUE(idxs->device() == boxes.device(), op, ": idxs must be on the device of boxes (", boxes.device(),
+                      "), got ", idxs->device());
+  }
+  check_scalar_args(op, iou_threshold, offset);
+  TORCH_CHECK_VALUE(max_output >= 0, op, ": max_output must be >= 0, got ", max_output);
+  TORCH_CHECK_VALUE(boxes.size(1) <= std::numeric_limits<int32_t>::max(), op,
+                    ": at most 2^31 - 1 boxes per image are supported, got ", boxes.size(1));
+}
 
 }  // namespace lightning_balanced

@@ -32,7 +32,7 @@ from numbers import Real
 import torch
 from torch import Tensor
 
-from lightning_balanced.ops import batched_nms
+from lightning_balanced.ops import batched_nms, batched_nms_padded
 
 __all__ = ["check_boxes", "check_real", "postprocess_detections"]
 
@@ -96,18 +96,17 @@ def postprocess_detections(
     filtered by size: do that before, if the model needs it. A model that scores every box for every class
     (``(N, C, 4)`` boxes and ``(N, C)`` scores) passes them flattened, with ``labels = arange(C).repeat(N)``.
 
-    For a batch, call it once per image::
-
-        dets = [
-            postprocess_detections(b, s, l, iou_threshold=0.5, score_threshold=0.05, max_detections=100)
-            for b, s, l in zip(boxes_per_image, scores_per_image, labels_per_image, strict=True)
-        ]
+    A batch of images with the same number of candidates (``(B, N, 4)`` boxes, ``(B, N)`` scores and labels) takes the
+    batched path: one :func:`~lightning_balanced.ops.batched_nms_padded` call for all images, fixed output shapes and
+    no sync, so it can run inside a CUDA graph or a ``torch.compile(fullgraph=True)`` region. Each image's first
+    ``num_detections`` entries equal this function on that image alone. Ragged batches: pad with score ``-inf``.
 
     Args:
-        boxes (Tensor[N, 4]): candidate boxes as ``(x1, y1, x2, y2)`` in pixels, float16/bfloat16/float32/float64,
-            finite.
-        scores (Tensor[N]): one score per box (e.g. a class probability), same dtype and device as ``boxes``, finite.
-        labels (Tensor[N]): integer class of each box (any integer dtype), on the device of ``boxes``.
+        boxes (Tensor[N, 4] or Tensor[B, N, 4]): candidate boxes as ``(x1, y1, x2, y2)`` in pixels,
+            float16/bfloat16/float32/float64, finite.
+        scores (Tensor[N] or Tensor[B, N]): one score per box (e.g. a class probability), same dtype and device as
+            ``boxes``, finite.
+        labels (Tensor[N] or Tensor[B, N]): integer class of each box (any integer dtype), on the device of ``boxes``.
         iou_threshold (float): in ``[0, 1]``; a box is dropped when its IoU with a kept, higher-scoring box of the
             same class is strictly greater than this. Default 0.5 (torchvision's ``box_nms_thresh``).
         score_threshold (float): a box is kept only if its score is strictly greater than this; any real number
@@ -125,6 +124,12 @@ def postprocess_detections(
 
         No candidate above the threshold gives ``K = 0`` (tensors of shapes ``(0, 4)``, ``(0,)``, ``(0,)``).
 
+        Batched: ``"boxes"`` (Tensor[B, M, 4]), ``"scores"`` (Tensor[B, M]) and ``"labels"`` (Tensor[B, M], int64)
+        with ``M = max_detections`` (``N`` for ``None``), and ``"num_detections"`` (Tensor[B], int64): image ``b``'s
+        detections are the first ``num_detections[b]`` rows; the rest hold boxes and scores 0 and label -1. Checking
+        values would need a sync, so a NaN or infinite score, or a non-finite box scored above the threshold, gives
+        that image ``num_detections = -1`` (and no rows) instead of a ``ValueError``.
+
     Raises:
         TypeError: if ``boxes``, ``scores`` or ``labels`` is not a tensor, ``boxes`` is not floating point,
             ``scores`` has another dtype than ``boxes``, ``labels`` is not an integer tensor, a threshold is not a
@@ -136,6 +141,8 @@ def postprocess_detections(
     Source: the semantics of torchvision's ``RoIHeads.postprocess_detections`` and detectron2's
     ``fast_rcnn_inference_single_image`` (score filter, per-class NMS, top-k).
     """
+    if isinstance(boxes, Tensor) and boxes.dim() == 3:
+        return _postprocess_batch(boxes, scores, labels, iou_threshold, score_threshold, max_detections)
     # The checks the score filter and the indexing need; iou_threshold is checked by batched_nms, on every input.
     check_boxes({"boxes": boxes, "scores": scores, "labels": labels}, ("boxes", "scores", "labels"), "`{}`".format)
     if scores.dtype != boxes.dtype:
@@ -147,11 +154,7 @@ def postprocess_detections(
         if not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"`{name}` must be finite (no NaN or infinity)")
     threshold = check_real("score_threshold", score_threshold)
-    if max_detections is not None:
-        if isinstance(max_detections, bool) or not isinstance(max_detections, int):
-            raise TypeError(f"`max_detections` must be an int or None, got {type(max_detections).__name__}")
-        if max_detections < 1:
-            raise ValueError(f"`max_detections` must be >= 1 or None, got {max_detections}")
+    _check_max_detections(max_detections)
 
     candidates = torch.nonzero(scores > threshold).flatten()  # ascending: ties stay ordered by original index
     boxes, scores, labels = boxes[candidates], scores[candidates], labels[candidates]
@@ -159,3 +162,47 @@ def postprocess_detections(
     if max_detections is not None:
         keep = keep[:max_detections]
     return {"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep].to(torch.int64)}
+
+
+def _check_max_detections(max_detections: object) -> None:
+    if max_detections is not None:
+        if isinstance(max_detections, bool) or not isinstance(max_detections, int):
+            raise TypeError(f"`max_detections` must be an int or None, got {type(max_detections).__name__}")
+        if max_detections < 1:
+            raise ValueError(f"`max_detections` must be >= 1 or None, got {max_detections}")
+
+
+def _postprocess_batch(
+    boxes: Tensor,
+    scores: Tensor,
+    labels: Tensor,
+    iou_threshold: float,
+    score_threshold: float,
+    max_detections: int | None,
+) -> dict[str, Tensor]:
+    """The batched path of :func:`postprocess_detections`: the score filter as padding, then one padded NMS."""
+    for name, value in (("scores", scores), ("labels", labels)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
+    if boxes.shape[2] != 4:
+        raise ValueError(f"`boxes` must have shape (B, N, 4) or (N, 4), got {tuple(boxes.shape)}")
+    for name, value in (("scores", scores), ("labels", labels)):
+        if value.shape != boxes.shape[:2]:
+            raise ValueError(
+                f"`{name}` must have shape (B, N) = {tuple(boxes.shape[:2])} with (B, N, 4) boxes, "
+                f"got {tuple(value.shape)}"
+            )
+    threshold = check_real("score_threshold", score_threshold)
+    _check_max_detections(max_detections)
+    # scores at or below the threshold become padding (-inf); NaN stays NaN, so the image is reported as -1
+    candidates = scores.masked_fill(scores <= threshold, float("-inf"))
+    limit = boxes.shape[1] if max_detections is None else max_detections
+    keep, num_detections = batched_nms_padded(boxes, candidates, labels, iou_threshold, limit)
+    found = keep >= 0
+    index = keep.clamp(min=0)
+    return {
+        "boxes": boxes.gather(1, index.unsqueeze(2).expand(-1, -1, 4)).masked_fill(~found.unsqueeze(2), 0),
+        "scores": scores.gather(1, index).masked_fill(~found, 0),
+        "labels": labels.gather(1, index).to(torch.int64).masked_fill(~found, -1),
+        "num_detections": num_detections,
+    }

@@ -38,6 +38,47 @@ def check_argument_types(
     return float(iou_threshold)
 
 
+def check_padded_argument_types(
+    boxes: object, scores: object, idxs: object, iou_threshold: object, max_output: object, offset: object
+) -> float:
+    """:func:`check_argument_types` for ``batched_nms_padded`` (``idxs`` may be ``None``; ``max_output`` an int)."""
+    op = "batched_nms_padded"
+    threshold = check_argument_types(op, boxes, scores, iou_threshold, offset)
+    if idxs is not None and not isinstance(idxs, Tensor):
+        raise TypeError(f"{op}: idxs must be a torch.Tensor or None, got {type(idxs).__name__}")
+    if isinstance(max_output, bool) or not isinstance(max_output, int):
+        raise TypeError(f"{op}: max_output must be an int, got {type(max_output).__name__}")
+    return threshold
+
+
+def check_padded_tensor_args(
+    boxes: Tensor, scores: Tensor, idxs: Tensor | None, iou_threshold: float, max_output: int, offset: int
+) -> None:
+    """Shapes, dtypes, devices and numbers of ``batched_nms_padded`` (``check_padded_args`` of ``nms_checks.h``)."""
+    op = "batched_nms_padded"
+    if boxes.dim() != 3 or boxes.shape[2] != 4:
+        raise ValueError(f"{op}: boxes must have shape (B, N, 4), got {list(boxes.shape)}")
+    batch, n = boxes.shape[:2]
+    if scores.shape != (batch, n):
+        raise ValueError(f"{op}: scores must have shape (B, N) = ({batch}, {n}), got {list(scores.shape)}")
+    if boxes.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: boxes must be float16, bfloat16, float32 or float64, got {boxes.dtype}")
+    if scores.dtype != boxes.dtype:
+        raise TypeError(f"{op}: scores must have the dtype of boxes ({boxes.dtype}), got {scores.dtype}")
+    if scores.device != boxes.device:
+        raise ValueError(f"{op}: boxes and scores must be on the same device, got {boxes.device} and {scores.device}")
+    if idxs is not None:
+        if idxs.shape != (batch, n):
+            raise ValueError(f"{op}: idxs must have shape (B, N) = ({batch}, {n}), got {list(idxs.shape)}")
+        if idxs.dtype == torch.bool or idxs.dtype.is_floating_point or idxs.dtype.is_complex:
+            raise TypeError(f"{op}: idxs must have an integer dtype, got {idxs.dtype}")
+        if idxs.device != boxes.device:
+            raise ValueError(f"{op}: idxs must be on the device of boxes ({boxes.device}), got {idxs.device}")
+    _check_scalar_args(op, iou_threshold, offset)
+    if max_output < 0:
+        raise ValueError(f"{op}: max_output must be >= 0, got {max_output}")
+
+
 def _check_scalar_args(op: str, iou_threshold: float, offset: int) -> None:
     if math.isnan(iou_threshold) or not 0.0 <= iou_threshold <= 1.0:
         raise ValueError(f"{op}: iou_threshold must be a number in [0, 1], got {iou_threshold}")

@@ -1,4 +1,7 @@
-"""Non-maximum suppression: :func:`nms` and :func:`batched_nms`, and their fake kernels for ``torch.compile``."""
+"""Non-maximum suppression: :func:`nms`, :func:`batched_nms`, the fixed-shape :func:`batched_nms_padded`, fake kernels.
+
+The fake kernels describe the outputs for ``torch.compile``.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +9,10 @@ import torch
 from torch import Tensor
 
 from lightning_balanced.ops import _loader
-from lightning_balanced.ops._checks import check_argument_types
-from lightning_balanced.ops.nms_reference import batched_nms_reference, nms_reference
+from lightning_balanced.ops._checks import check_argument_types, check_padded_argument_types
+from lightning_balanced.ops.nms_reference import batched_nms_padded_reference, batched_nms_reference, nms_reference
 
-__all__ = ["batched_nms", "nms"]
+__all__ = ["batched_nms", "batched_nms_padded", "nms"]
 
 
 def nms(boxes: Tensor, scores: Tensor, iou_threshold: float, offset: int = 0) -> Tensor:
@@ -109,6 +112,51 @@ def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     return out
 
 
+def batched_nms_padded(
+    boxes: Tensor, scores: Tensor, idxs: Tensor | None, iou_threshold: float, max_output: int, offset: int = 0
+) -> tuple[Tensor, Tensor]:
+    """NMS of a batch of images in fixed shapes, with no device-to-host copy and no sync.
+
+    Each image is reduced as :func:`batched_nms` (with ``idxs``) or :func:`nms` (without) reduces it, and its kept
+    indices are stored up to ``max_output``. The output shapes depend on the input shapes only, and on CUDA nothing
+    waits for the GPU, so the call can be captured in a CUDA graph and traced by ``torch.compile(fullgraph=True)``
+    without a graph break. On CPU the results are the same.
+
+    Args:
+        boxes (Tensor[B, N, 4]): boxes as ``(x1, y1, x2, y2)``, float16/bfloat16/float32/float64, CPU or CUDA.
+        scores (Tensor[B, N]): one score per box, same dtype and device. A score of ``-inf`` marks a padding box
+            (for images with fewer than ``N`` boxes): it is never kept and never suppresses.
+        idxs (Tensor[B, N] or None): integer class ids (any integer dtype) for per-class NMS within each image, or
+            ``None`` for class-agnostic NMS.
+        iou_threshold (float): in ``[0, 1]``, as in :func:`nms`.
+        max_output (int): kept indices stored per image, ``>= 0``; the highest-scoring ones are stored.
+        offset (int): 0 (default), or 1 for the legacy pixel convention, as in :func:`nms`.
+
+    Returns:
+        ``(keep, num_kept)``: ``keep`` (Tensor[B, max_output], int64) holds each image's kept box indices (into
+        ``N``) by decreasing score, ``-1`` after the last; ``num_kept`` (Tensor[B], int64) their number,
+        ``min(kept, max_output)``. The first ``num_kept[b]`` entries of ``keep[b]`` equal ``batched_nms`` on image
+        ``b``'s non-padding boxes, truncated to ``max_output``. An image with a NaN or infinite coordinate or score
+        (other than a ``-inf`` padding score) gets ``num_kept = -1`` and an all ``-1`` row: checking the values
+        would need a sync, so test ``(num_kept < 0).any()`` where the input may hold such values.
+
+    Raises:
+        TypeError: if ``boxes``/``scores`` are not tensors of the same floating dtype, ``idxs`` is not ``None`` or an
+            integer tensor, ``iou_threshold`` is not a real number, or ``max_output``/``offset`` is not an int.
+        ValueError: if the shapes are not ``(B, N, 4)``, ``(B, N)`` and ``(B, N)``, the devices differ,
+            ``iou_threshold`` is outside ``[0, 1]``, ``max_output < 0`` or ``offset`` is not 0 or 1.
+
+    Source: the fixed-shape output of TensorRT's ``EfficientNMS`` plugin and ``torchvision``'s open requests for a
+    batched NMS (pytorch/vision#392, pytorch/pytorch#39312), with the exact semantics of :func:`batched_nms`.
+    """
+    threshold = check_padded_argument_types(boxes, scores, idxs, iou_threshold, max_output, offset)
+    if not _use_compiled_op("batched_nms_padded", boxes):
+        _loader.warn_fallback_once(boxes.device.type)
+        return batched_nms_padded_reference(boxes, scores, idxs, threshold, max_output, offset)
+    keep, num_kept = torch.ops.lightning_balanced.batched_nms_padded(boxes, scores, idxs, threshold, max_output, offset)
+    return keep, num_kept
+
+
 def _use_compiled_op(op: str, boxes: Tensor) -> bool:
     """Whether the compiled operator ``op`` serves ``boxes``: a kernel for its device, or meta tensors (fake kernel).
 
@@ -150,8 +198,16 @@ def _batched_nms_fake(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold
     return boxes.new_empty((_new_kept_size(),), dtype=torch.int64)
 
 
-# Fake kernels (output size depends on the data) so torch.compile(fullgraph=True) traces through the ops.
-# Registered only when the compiled ops exist: a missing _C must never break `import lightning_balanced.ops`.
+def _batched_nms_padded_fake(
+    boxes: Tensor, scores: Tensor, idxs: Tensor | None, iou_threshold: float, max_output: int, offset: int = 0
+) -> tuple[Tensor, Tensor]:
+    batch = boxes.shape[0]
+    return boxes.new_empty((batch, max_output), dtype=torch.int64), boxes.new_empty((batch,), dtype=torch.int64)
+
+
+# Fake kernels (output size depends on the data, except for the padded form) so torch.compile(fullgraph=True) traces
+# through the ops. Registered only when the compiled ops exist: a missing _C must never break the import.
 if _loader.has_compiled_ops():
     torch.library.register_fake("lightning_balanced::nms", _nms_fake)
     torch.library.register_fake("lightning_balanced::batched_nms", _batched_nms_fake)
+    torch.library.register_fake("lightning_balanced::batched_nms_padded", _batched_nms_padded_fake)

@@ -24,10 +24,12 @@ from lightning_balanced.ops._checks import (
     check_argument_types,
     check_finite,
     check_idxs,
+    check_padded_argument_types,
+    check_padded_tensor_args,
     check_tensor_args,
 )
 
-__all__ = ["batched_nms_reference", "nms_reference"]
+__all__ = ["batched_nms_padded_reference", "batched_nms_reference", "nms_reference"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -118,3 +120,48 @@ def batched_nms_reference(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_thres
         positions = torch.nonzero(sorted_classes == cls).flatten()  # ascending: still by decreasing score
         keep[positions] = _greedy_keep(sorted_boxes[positions], threshold, offset)
     return order[keep]
+
+
+def batched_nms_padded_reference(
+    boxes: Tensor, scores: Tensor, idxs: Tensor | None, iou_threshold: float, max_output: int, offset: int = 0
+) -> tuple[Tensor, Tensor]:
+    """:func:`lightning_balanced.ops.batched_nms_padded` in pure PyTorch, one image after another.
+
+    Args:
+        boxes (Tensor[B, N, 4]): boxes as ``(x1, y1, x2, y2)``, float16/bfloat16/float32/float64, any device.
+        scores (Tensor[B, N]): same dtype and device; ``-inf`` marks a padding box.
+        idxs (Tensor[B, N] or None): integer class ids, or ``None`` for class-agnostic NMS.
+        iou_threshold (float): in ``[0, 1]``.
+        max_output (int): kept indices stored per image, ``>= 0``.
+        offset (int): 0, or 1 for the legacy pixel convention.
+
+    Returns:
+        (Tensor[B, max_output], Tensor[B]), both int64: the kept indices by decreasing score, ``-1`` after the last,
+        and their number; ``-1`` and an all ``-1`` row for an image with a NaN or infinite value (other than a
+        padding score).
+
+    Raises:
+        TypeError: if an argument has the wrong type or dtype.
+        ValueError: if a shape, device, ``iou_threshold``, ``max_output`` or ``offset`` is invalid.
+    """
+    threshold = check_padded_argument_types(boxes, scores, idxs, iou_threshold, max_output, offset)
+    check_padded_tensor_args(boxes, scores, idxs, threshold, max_output, offset)
+    batch = boxes.shape[0]
+    keep = torch.full((batch, max_output), -1, dtype=torch.int64, device=boxes.device)
+    num_kept = torch.empty(batch, dtype=torch.int64, device=boxes.device)
+    for b in range(batch):
+        real = ~torch.isneginf(scores[b])
+        if not bool((torch.isfinite(scores[b]) | ~real).all()) or not bool(
+            (torch.isfinite(boxes[b]).all(1) | ~real).all()
+        ):
+            num_kept[b] = -1
+            continue
+        index = torch.nonzero(real).flatten()
+        if idxs is None:
+            kept = nms_reference(boxes[b][index], scores[b][index], threshold, offset)
+        else:
+            kept = batched_nms_reference(boxes[b][index], scores[b][index], idxs[b][index], threshold, offset)
+        count = min(kept.shape[0], max_output)
+        keep[b, :count] = index[kept[:count]]
+        num_kept[b] = count
+    return keep, num_kept

@@ -1,142 +1,109 @@
-// CUDA kernels of lightning_balanced::nms and lightning_balanced::batched_nms.
+// CUDA kernels of lightning_balanced::nms, batched_nms and batched_nms_padded.
 //
-// Same semantics and arithmetic as the CPU kernel (see cpu/nms_kernel.cpp); every operation uses the
-// round-to-nearest intrinsics (__fadd_rn, __fmul_rn, ...), so nvcc cannot contract it into FMAs and the
-// result matches the float32/float64 reference bit for bit.
+// The algorithm is the tiled NMS of ops/nms_tiled.h (tiles of boxes in score order resolved in shared memory,
+// the kept boxes of a tile suppressing later boxes through a spatial index of 64-box blocks), run by the step
+// sequence of ops/nms_tiled_driver.h; this file only launches the steps. The same steps run on the CPU in the
+// private op `_nms_tiled_schedule` (cpu/nms_tiled_schedule.cpp), which the tests compare with the reference.
 //
-// Algorithm (the classic bitmask NMS): sort by decreasing score (stable), then one 64-thread block per
-// (row block, column block) of 64 x 64 box pairs writes, for each row box i, a 64-bit mask of the column
-// boxes j > i that i would suppress. The greedy pass over the masks runs on the host.
+// Same semantics and arithmetic as the CPU kernel (cpu/nms_kernel.cpp); every operation uses the
+// round-to-nearest intrinsics, so the result matches the float32/float64 reference bit for bit. The keep
+// pass runs on the device: nms and batched_nms read back one small array of counters (their only sync),
+// batched_nms_padded none at all, so it can be captured in a CUDA graph.
 // Includes c10/cuda headers only (not ATen/cuda/CUDAContext.h), so it also compiles against CPU wheels.
 
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/isfinite.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <vector>
+#include <optional>
+#include <tuple>
 
 #include "ops/nms_checks.h"
+#include "ops/nms_tiled_driver.h"
 
 namespace {
 
-constexpr int kBlock = 64;  // boxes per block = bits per mask word
-constexpr int64_t kMaxBoxes = int64_t{65535} * kBlock;  // gridDim.y limit
+using namespace lightning_balanced::nms_tiled;
 
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-
+// Rows per tile, one thread each: the tile's boxes, areas, classes and its rows x rows/64 mask stay in the
+// 48 KiB of static shared memory (47,232 bytes for float32, 20,544 for float64).
 template <typename T>
-__device__ __forceinline__ T area_of(const T* b, T off) {
-  return mul_rn(add_rn(sub_rn(b[2], b[0]), off), add_rn(sub_rn(b[3], b[1]), off));
+constexpr int kTileRows = sizeof(T) == 4 ? 512 : 256;
+constexpr int kStepThreads = 256;
+constexpr int64_t kMaxImages = 65535;  // gridDim.y
+
+template <typename F>
+__global__ void step_kernel(F step, int64_t count) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) step(blockIdx.y, i);
 }
 
-// union > 0 && inter > thr * union, in the exact operation order of the reference.
-template <typename T>
-__device__ __forceinline__ bool suppresses(const T* a, T area_a, const T* b, T area_b, T thr, T off) {
-  T w = add_rn(sub_rn(a[2] < b[2] ? a[2] : b[2], a[0] > b[0] ? a[0] : b[0]), off);
-  T h = add_rn(sub_rn(a[3] < b[3] ? a[3] : b[3], a[1] > b[1] ? a[1] : b[1]), off);
-  w = w > T(0) ? w : T(0);
-  h = h > T(0) ? h : T(0);
-  const T inter = mul_rn(w, h);
-  const T uni = sub_rn(add_rn(area_a, area_b), inter);
-  return uni > T(0) && inter > mul_rn(uni, thr);
-}
-
-template <typename T>
-__global__ void nms_mask_kernel(int64_t n, int64_t col_blocks, const T* __restrict__ boxes,
-                                const int64_t* __restrict__ classes, T thr, T off,
-                                unsigned long long* __restrict__ mask) {
-  const int64_t row_block = blockIdx.y;
-  const int64_t col_block = blockIdx.x;
-  if (row_block > col_block) return;  // box i only suppresses boxes j > i
-  const int row_size = static_cast<int>(min(n - row_block * kBlock, int64_t{kBlock}));
-  const int col_size = static_cast<int>(min(n - col_block * kBlock, int64_t{kBlock}));
-
-  __shared__ T col_boxes[kBlock * 4];
-  __shared__ T col_areas[kBlock];
-  __shared__ int64_t col_classes[kBlock];
+template <typename T, int kRows>
+__global__ void __launch_bounds__(kRows)
+    tile_kernel(Image<T> batch, int64_t first, int rows, bool by_class, T thr, T off) {
+  constexpr int kWords = kRows / kWordBits;
+  __shared__ T boxes[kRows * 4];
+  __shared__ T areas[kRows];
+  __shared__ int64_t classes[kRows];
+  __shared__ uint64_t decided[kWords];
+  __shared__ uint64_t suppressed[kWords];
+  __shared__ uint64_t mask[kRows * kWords];
+  const Image<T> im = image_at(batch, blockIdx.y, kRows);
+  const Tile<T> tile{rows, boxes, areas, by_class ? classes : nullptr, decided, mask, suppressed};
   const int t = threadIdx.x;
-  if (t < col_size) {
-    const T* b = boxes + (col_block * kBlock + t) * 4;
-    for (int k = 0; k < 4; ++k) col_boxes[t * 4 + k] = b[k];
-    col_areas[t] = area_of(b, off);
-    col_classes[t] = classes == nullptr ? 0 : classes[col_block * kBlock + t];
-  }
+  if (t < kWords) decided[t] = 0;
   __syncthreads();
+  load_tile_row(im, tile, first, t, off);
+  __syncthreads();
+  if (t < rows) tile_row_mask(tile, t, thr, off);
+  __syncthreads();
+  if (t == 0) resolve_tile(im, tile, first);
+  __syncthreads();
+  mark_tile_row(im, tile, first, t);
+}
 
-  if (t < row_size) {
-    const int64_t i = row_block * kBlock + t;
-    const T* bi = boxes + i * 4;
-    const T area_i = area_of(bi, off);
-    const int64_t class_i = classes == nullptr ? 0 : classes[i];
-    unsigned long long bits = 0;
-    for (int j = (row_block == col_block) ? t + 1 : 0; j < col_size; ++j) {
-      if (col_classes[j] == class_i && suppresses(bi, area_i, col_boxes + j * 4, col_areas[j], thr, off)) {
-        bits |= 1ULL << j;
-      }
-    }
-    mask[i * col_blocks + col_block] = bits;
+struct CudaLaunch {
+  template <typename F>
+  static void each(int64_t batch, int64_t count, const F& step) {
+    if (count == 0 || batch == 0) return;
+    const dim3 grid(static_cast<unsigned>((count + kStepThreads - 1) / kStepThreads), static_cast<unsigned>(batch));
+    step_kernel<<<grid, kStepThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(step, count);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+
+  template <typename T>
+  static void tile(const Image<T>& batch_image, int64_t batch, int tile_rows, int64_t first, int rows, bool by_class,
+                   T thr, T off) {
+    TORCH_INTERNAL_ASSERT(tile_rows == kTileRows<T>);
+    const dim3 grid(1, static_cast<unsigned>(batch));
+    tile_kernel<T, kTileRows<T>><<<grid, kTileRows<T>, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        batch_image, first, rows, by_class, thr, off);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+int tile_rows_for(const at::Tensor& boxes) {
+  return boxes.scalar_type() == at::kDouble ? kTileRows<double> : kTileRows<float>;
 }
 
 at::Tensor nms_cuda_impl(const char* op, const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor* idxs,
                          double iou_threshold, int64_t offset) {
   TORCH_CHECK_VALUE(boxes.is_cuda(), op, ": the CUDA kernel got tensors on ", boxes.device());
-  const int64_t n = boxes.size(0);
-  TORCH_CHECK_VALUE(n <= kMaxBoxes, op, ": the CUDA kernel supports at most ", kMaxBoxes, " boxes, got ", n);
   c10::cuda::CUDAGuard device_guard(boxes.device());
+  const int64_t n = boxes.size(0);
   if (n == 0) return at::empty({0}, boxes.options().dtype(at::kLong));
-
-  // float16/bfloat16 are computed in float32 (like the CPU kernel and the reference).
-  const bool is_double = boxes.scalar_type() == at::kDouble;
-  const auto compute = is_double ? at::kDouble : at::kFloat;
-  const at::Tensor boxes_c = boxes.to(compute);
-  const at::Tensor scores_c = scores.to(compute);
-  TORCH_CHECK_VALUE(at::isfinite(scores_c).all().item<bool>(), op, ": scores must be finite (no NaN or infinity)");
-  TORCH_CHECK_VALUE(at::isfinite(boxes_c).all().item<bool>(), op,
-                    ": box coordinates must be finite (no NaN or infinity)");
-
-  const at::Tensor order = std::get<1>(scores_c.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
-  const at::Tensor sorted_boxes = boxes_c.index_select(0, order).contiguous();
-  at::Tensor sorted_classes;
-  if (idxs != nullptr) sorted_classes = idxs->index_select(0, order).contiguous();
-
-  const int64_t col_blocks = (n + kBlock - 1) / kBlock;
-  at::Tensor mask = at::empty({n, col_blocks}, boxes.options().dtype(at::kLong));
-  const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(col_blocks));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(compute, "lightning_balanced_nms_cuda", [&] {
-    nms_mask_kernel<scalar_t><<<grid, kBlock, 0, stream>>>(
-        n, col_blocks, sorted_boxes.const_data_ptr<scalar_t>(),
-        idxs == nullptr ? nullptr : sorted_classes.const_data_ptr<int64_t>(), static_cast<scalar_t>(iou_threshold),
-        static_cast<scalar_t>(offset), reinterpret_cast<unsigned long long*>(mask.mutable_data_ptr<int64_t>()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-
-  // Greedy pass on the host: box i is kept unless a kept box before it set its bit.
-  const at::Tensor mask_cpu = mask.to(at::kCPU);
-  const auto* bits = reinterpret_cast<const unsigned long long*>(mask_cpu.const_data_ptr<int64_t>());
-  std::vector<unsigned long long> removed(col_blocks, 0);
-  at::Tensor keep = at::empty({n}, at::TensorOptions().dtype(at::kLong));
-  int64_t* keep_ptr = keep.mutable_data_ptr<int64_t>();
-  int64_t kept = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t block = i / kBlock;
-    if (removed[block] & (1ULL << (i % kBlock))) continue;
-    keep_ptr[kept++] = i;
-    const unsigned long long* row = bits + i * col_blocks;
-    for (int64_t j = block; j < col_blocks; ++j) removed[j] |= row[j];
-  }
-  return order.index_select(0, keep.narrow(0, 0, kept).to(order.device(), /*non_blocking=*/false));
+  const TiledInput input{boxes.unsqueeze(0),
+                         scores.unsqueeze(0),
+                         idxs == nullptr ? at::Tensor() : idxs->unsqueeze(0).contiguous(),
+                         iou_threshold,
+                         offset,
+                         /*padded=*/false,
+                         /*capacity=*/n};
+  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, tile_rows_for(boxes));
+  return kept_indices(op, keep, counters);
 }
 
 at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold, int64_t offset) {
@@ -155,9 +122,30 @@ at::Tensor batched_nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, c
   return nms_cuda_impl("batched_nms", boxes, scores, &classes, iou_threshold, offset);
 }
 
+std::tuple<at::Tensor, at::Tensor> batched_nms_padded_cuda(const at::Tensor& boxes, const at::Tensor& scores,
+                                                           const std::optional<at::Tensor>& idxs,
+                                                           double iou_threshold, int64_t max_output, int64_t offset) {
+  constexpr const char* op = "batched_nms_padded";
+  lightning_balanced::check_padded_args(op, boxes, scores, idxs, iou_threshold, max_output, offset);
+  TORCH_CHECK_VALUE(boxes.is_cuda(), op, ": the CUDA kernel got tensors on ", boxes.device());
+  TORCH_CHECK_VALUE(boxes.size(0) <= kMaxImages, op, ": the CUDA kernel takes at most ", kMaxImages,
+                    " images per call, got ", boxes.size(0));
+  c10::cuda::CUDAGuard device_guard(boxes.device());
+  const TiledInput input{boxes,
+                         scores,
+                         idxs.has_value() ? lightning_balanced::idxs_as_int64(*idxs).contiguous() : at::Tensor(),
+                         iou_threshold,
+                         offset,
+                         /*padded=*/true,
+                         max_output};
+  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, tile_rows_for(boxes));
+  return padded_result(keep, counters);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lightning_balanced, CUDA, m) {
   m.impl("nms", &nms_cuda);
   m.impl("batched_nms", &batched_nms_cuda);
+  m.impl("batched_nms_padded", &batched_nms_padded_cuda);
 }

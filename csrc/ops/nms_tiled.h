@@ -1,0 +1,454 @@
+// The tiled NMS algorithm of the CUDA kernels, written once for the device and the host.
+//
+// Every function here is compiled by nvcc for the GPU (cuda/nms_kernel.cu) and by the C++ compiler for the
+// CPU emulation (cpu/nms_tiled_schedule.cpp, the private op `_nms_tiled_schedule`), which runs the same steps
+// in the same order as the kernels, one "thread" after another. The tests compare that emulation with the
+// reference on CPU, so the algorithm the GPU runs is checked on every CI run, with or without a GPU.
+//
+// The greedy NMS (boxes by decreasing score; a box is kept unless a kept, higher-scoring box suppresses it)
+// runs over tiles of `rows` consecutive boxes in score order:
+//   1. resolve the tile: each row's mask of the later rows of the same tile it suppresses (a rows x rows/64
+//      bitmask in shared memory), then one thread walks the rows in order, skipping those already suppressed
+//      by earlier tiles, and keeps the rest unless a kept row of the tile suppressed them;
+//   2. propagate: each kept row of the tile marks, in the `removed` bitmask of all boxes, the boxes it
+//      suppresses. The boxes are indexed there in a spatial order (Morton order of the box centres), in
+//      blocks of 64 (one word of `removed`) and super-blocks of 64 blocks, each with the bounding box of its
+//      boxes and the range of their classes: a kept row visits only the blocks it may overlap, of its class,
+//      and skips the blocks whose boxes are all decided. The rows of a tile are marked decided after step 1.
+// A box is suppressed by a kept, higher-scoring box exactly when the sequential greedy pass says so: the
+// earlier tiles' kept boxes reach it through `removed` (step 2), the same tile's through step 1. Bits set for
+// boxes already decided are never read again, so the propagation needs no score-order test. Memory is linear
+// in the number of boxes (no N x N/64 mask) and the work follows the overlaps, not N^2.
+//
+// Arithmetic: exactly that of the CPU kernel and the reference (cpu/nms_kernel.cpp), each operation rounded
+// to nearest (__fadd_rn, ... on the device so nvcc cannot contract them into FMAs; the host build uses
+// -ffp-contract=off).
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#ifdef __CUDACC__
+#define LB_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define LB_HOST_DEVICE inline
+#endif
+
+namespace lightning_balanced::nms_tiled {
+
+constexpr int kWordBits = 64;    // boxes per block = bits per word of a bitmask
+constexpr int kSuperBlocks = 64;  // blocks per super-block
+
+// ---- arithmetic, rounded to nearest ------------------------------------------------------------------------------
+LB_HOST_DEVICE float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+LB_HOST_DEVICE double add_rn(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+LB_HOST_DEVICE float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+LB_HOST_DEVICE double sub_rn(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+LB_HOST_DEVICE float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+LB_HOST_DEVICE double mul_rn(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+template <typename T>
+LB_HOST_DEVICE T min_of(T a, T b) {
+  return a < b ? a : b;
+}
+template <typename T>
+LB_HOST_DEVICE T max_of(T a, T b) {
+  return a > b ? a : b;
+}
+
+// `*word |= bits`, atomically on the device (other threads OR into the same word).
+LB_HOST_DEVICE void or_word(uint64_t* word, uint64_t bits) {
+#ifdef __CUDA_ARCH__
+  atomicOr(reinterpret_cast<unsigned long long*>(word), static_cast<unsigned long long>(bits));
+#else
+  *word |= bits;
+#endif
+}
+
+LB_HOST_DEVICE bool test_bit(const uint64_t* words, int64_t i) { return (words[i >> 6] >> (i & 63)) & 1; }
+
+// ---- boxes ------------------------------------------------------------------------------------------------------
+// A box is 4 values (x1, y1, x2, y2); so is a bounding region (min x1, min y1, max x2, max y2) of a group.
+template <typename T>
+LB_HOST_DEVICE T area_of(const T* b, T off) {
+  return mul_rn(add_rn(sub_rn(b[2], b[0]), off), add_rn(sub_rn(b[3], b[1]), off));
+}
+
+// Box a suppresses box b: union > 0 && inter > thr * union, in the exact operation order of the reference.
+template <typename T>
+LB_HOST_DEVICE bool suppresses(const T* a, T area_a, const T* b, T area_b, T thr, T off) {
+  T w = add_rn(sub_rn(min_of(a[2], b[2]), max_of(a[0], b[0])), off);
+  T h = add_rn(sub_rn(min_of(a[3], b[3]), max_of(a[1], b[1])), off);
+  w = max_of(w, T(0));
+  h = max_of(h, T(0));
+  const T inter = mul_rn(w, h);
+  const T uni = sub_rn(add_rn(area_a, area_b), inter);
+  return uni > T(0) && inter > mul_rn(uni, thr);
+}
+
+// False only when box a suppresses no box inside `region`: the intersection width (or height) of a with any
+// box inside is at most that with the region (min/max and rounding are monotone), so when the region's is
+// <= 0, every inter is 0 and `inter > thr * union` fails. Exact, not a heuristic.
+template <typename T>
+LB_HOST_DEVICE bool may_overlap(const T* a, const T* region, T off) {
+  const T w = add_rn(sub_rn(min_of(a[2], region[2]), max_of(a[0], region[0])), off);
+  const T h = add_rn(sub_rn(min_of(a[3], region[3]), max_of(a[1], region[1])), off);
+  return w > T(0) && h > T(0);
+}
+
+LB_HOST_DEVICE uint32_t float_bits(float v) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(v);
+#else
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+#endif
+}
+
+// The top 16 bits of a float in an order-preserving unsigned form: buckets whose width is 1/128 of their
+// binade, so the spatial order needs no extent of the input (no reduction before it).
+LB_HOST_DEVICE uint32_t ordered_key16(float v) {
+  const uint32_t u = float_bits(v);
+  return ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) >> 16;
+}
+
+LB_HOST_DEVICE uint32_t spread_bits16(uint32_t x) {
+  x &= 0xFFFFu;
+  x = (x | (x << 8)) & 0x00FF00FFu;
+  x = (x | (x << 4)) & 0x0F0F0F0Fu;
+  x = (x | (x << 2)) & 0x33333333u;
+  x = (x | (x << 1)) & 0x55555555u;
+  return x;
+}
+
+// Morton code of the box centre (z-order curve): near codes are near boxes, so 64 consecutive boxes of the
+// order have a small bounding region. Only the order depends on it, never a result.
+template <typename T>
+LB_HOST_DEVICE uint32_t morton_code(const T* b) {
+  const float cx = static_cast<float>(b[0]) * 0.5f + static_cast<float>(b[2]) * 0.5f;
+  const float cy = static_cast<float>(b[1]) * 0.5f + static_cast<float>(b[3]) * 0.5f;
+  return spread_bits16(ordered_key16(cx)) | (spread_bits16(ordered_key16(cy)) << 1);
+}
+
+// ---- the spatial index of all boxes -------------------------------------------------------------------------------
+// The boxes in spatial order (`boxes`, `classes`), the bounding region and class range of each block of 64 and
+// each super-block of 64 blocks, and `removed`: one bit per box, set once the box is decided (kept or suppressed)
+// or suppressed by a kept box; the bits past the last box are set from the start.
+template <typename T>
+struct SpatialIndex {
+  int64_t n;
+  const T* boxes;            // [n, 4]
+  const int64_t* classes;    // [n], or nullptr (one class)
+  const T* block_region;     // [blocks, 4]
+  const int64_t* block_classes;  // [blocks, 2]: min, max
+  const T* super_region;     // [supers, 4]
+  const int64_t* super_classes;  // [supers, 2]
+  uint64_t* removed;         // [blocks]
+};
+
+LB_HOST_DEVICE int64_t num_words(int64_t n) { return (n + kWordBits - 1) / kWordBits; }
+LB_HOST_DEVICE int64_t num_supers(int64_t n) { return (num_words(n) + kSuperBlocks - 1) / kSuperBlocks; }
+
+// The bits past the last box of the last word: decided from the start.
+LB_HOST_DEVICE uint64_t padding_bits(int64_t n) {
+  const int used = static_cast<int>(n % kWordBits);
+  return used == 0 ? 0 : ~uint64_t{0} << used;
+}
+
+// Bounding region and class range of `count` groups starting at `first` (each a region of 4 values, or a box,
+// and a class range of 2 values, or one class, or none): one block from its boxes, or one super-block from its
+// blocks.
+template <typename T>
+LB_HOST_DEVICE void bound_groups(const T* regions, const int64_t* classes, int class_stride, int64_t first, int64_t count,
+                                 T* region, int64_t* class_range) {
+  const T* r = regions + first * 4;
+  T x1 = r[0], y1 = r[1], x2 = r[2], y2 = r[3];
+  for (int64_t k = 1; k < count; ++k) {
+    r += 4;
+    x1 = min_of(x1, r[0]);
+    y1 = min_of(y1, r[1]);
+    x2 = max_of(x2, r[2]);
+    y2 = max_of(y2, r[3]);
+  }
+  region[0] = x1;
+  region[1] = y1;
+  region[2] = x2;
+  region[3] = y2;
+  if (classes == nullptr) return;
+  const int64_t* c = classes + first * class_stride;
+  int64_t lo = c[0], hi = c[class_stride - 1];
+  for (int64_t k = 1; k < count; ++k) {
+    c += class_stride;
+    lo = min_of(lo, c[0]);
+    hi = max_of(hi, c[class_stride - 1]);
+  }
+  class_range[0] = lo;
+  class_range[1] = hi;
+}
+
+LB_HOST_DEVICE bool class_in(const int64_t* class_range, int64_t cls) {
+  return class_range == nullptr || (class_range[0] <= cls && cls <= class_range[1]);
+}
+
+// Step 2 for one kept box a (of class `cls`): mark in `removed` every undecided box it suppresses.
+template <typename T>
+LB_HOST_DEVICE void propagate(const SpatialIndex<T>& index, const T* a, int64_t cls, T thr, T off) {
+  const T area_a = area_of(a, off);
+  const int64_t blocks = num_words(index.n);
+  const bool by_class = index.classes != nullptr;
+  for (int64_t s = 0, supers = num_supers(index.n); s < supers; ++s) {
+    if (!may_overlap(a, index.super_region + 4 * s, off)) continue;
+    if (by_class && !class_in(index.super_classes + 2 * s, cls)) continue;
+    const int64_t last = min_of(blocks, (s + 1) * kSuperBlocks);
+    for (int64_t blk = s * kSuperBlocks; blk < last; ++blk) {
+      const uint64_t decided = index.removed[blk];  // a stale read only costs work
+      if (decided == ~uint64_t{0}) continue;
+      if (!may_overlap(a, index.block_region + 4 * blk, off)) continue;
+      if (by_class && !class_in(index.block_classes + 2 * blk, cls)) continue;
+      uint64_t bits = 0;
+      for (int k = 0; k < kWordBits; ++k) {
+        if ((decided >> k) & 1) continue;
+        const int64_t j = blk * kWordBits + k;
+        if (by_class && index.classes[j] != cls) continue;
+        const T* b = index.boxes + 4 * j;
+        if (suppresses(a, area_a, b, area_of(b, off), thr, off)) bits |= uint64_t{1} << k;
+      }
+      if (bits != 0) or_word(&index.removed[blk], bits);
+    }
+  }
+}
+
+// ---- one tile ---------------------------------------------------------------------------------------------------
+// The tile's rows (boxes first .. first + rows - 1 of the score order) as shared memory holds them.
+template <typename T>
+struct Tile {
+  int rows;
+  T* boxes;              // [rows, 4]
+  T* areas;              // [rows]
+  int64_t* classes;      // [rows], or nullptr (one class)
+  uint64_t* decided;     // [words]: rows decided before the tile (suppressed earlier, or padding)
+  uint64_t* mask;        // [rows, words]: row r's suppression of the later rows of the tile
+  uint64_t* suppressed;  // [words]: scratch of the pass
+};
+
+LB_HOST_DEVICE int tile_words(int rows) { return (rows + kWordBits - 1) / kWordBits; }
+
+// Step 1a for row r: its mask of the later, undecided rows of the tile it suppresses.
+template <typename T>
+LB_HOST_DEVICE void tile_row_mask(const Tile<T>& tile, int r, T thr, T off) {
+  const int words = tile_words(tile.rows);
+  uint64_t* row = tile.mask + static_cast<int64_t>(r) * words;
+  for (int w = 0; w < words; ++w) row[w] = 0;
+  if (test_bit(tile.decided, r)) return;  // never kept: its mask is never read
+  const T* a = tile.boxes + 4 * r;
+  for (int c = r + 1; c < tile.rows; ++c) {
+    if (test_bit(tile.decided, c)) continue;
+    if (tile.classes != nullptr && tile.classes[c] != tile.classes[r]) continue;
+    if (suppresses(a, tile.areas[r], tile.boxes + 4 * c, tile.areas[c], thr, off)) {
+      row[c >> 6] |= uint64_t{1} << (c & 63);
+    }
+  }
+}
+
+// Step 1b, one thread: the greedy pass over the tile's rows in score order. Writes the kept rows (tile-local,
+// ascending) to `kept` and returns their number.
+template <typename T>
+LB_HOST_DEVICE int tile_pass(const Tile<T>& tile, int32_t* kept) {
+  const int words = tile_words(tile.rows);
+  for (int w = 0; w < words; ++w) tile.suppressed[w] = tile.decided[w];
+  int count = 0;
+  for (int r = 0; r < tile.rows; ++r) {
+    if (test_bit(tile.suppressed, r)) continue;
+    kept[count++] = r;
+    const uint64_t* row = tile.mask + static_cast<int64_t>(r) * words;
+    for (int w = r >> 6; w < words; ++w) tile.suppressed[w] |= row[w];
+  }
+  return count;
+}
+
+// ---- one image's arrays, and the steps over them ----------------------------------------------------------------
+// Per image: the number of kept boxes (all of them, also past the output's capacity), the kept rows of the
+// current tile, and whether a score or a coordinate was NaN or infinite (the host raises, or the padded form
+// reports -1). A padding box's values are not checked.
+enum Counter : int { kKept = 0, kTileKept = 1, kBadScore = 2, kBadBox = 3, kCounters = 4 };
+
+template <typename T>
+LB_HOST_DEVICE bool is_finite(T x) {
+  return sub_rn(x, x) == T(0);  // inf - inf and NaN - NaN are NaN
+}
+
+// One image's (or the whole unbatched input's) scratch, in the compute type T. The spatial arrays are null when
+// the image fits in one tile.
+template <typename T>
+struct Image {
+  int64_t n;
+  const int64_t* order;     // [n]: rank (position in the score order) -> input index
+  T* sorted_boxes;          // [n, 4], by rank
+  int64_t* sorted_classes;  // [n], by rank; nullptr: one class
+  uint8_t* padding;         // [n], by rank: a padding box (score -inf, padded form), never kept
+  int64_t* codes;           // [n], by rank: Morton code; nullptr: one tile
+  const int64_t* spatial_order;  // [n]: position in the spatial order -> rank
+  int64_t* position;        // [n]: rank -> position in the spatial order
+  T* boxes;                 // [n, 4], by position
+  int64_t* classes;         // [n], by position; nullptr: one class
+  T* block_region;          // [words, 4]
+  int64_t* block_classes;   // [words, 2]
+  T* super_region;          // [supers, 4]
+  int64_t* super_classes;   // [supers, 2]
+  uint64_t* removed;        // [words], by position
+  int64_t* counters;        // [kCounters]
+  int32_t* tile_kept;       // [tile rows]: the kept rows of the current tile
+  int64_t* keep;            // [capacity]: input indices of the kept boxes, by decreasing score
+  int64_t capacity;
+
+  LB_HOST_DEVICE SpatialIndex<T> index() const {
+    return {n, boxes, classes, block_region, block_classes, super_region, super_classes, removed};
+  }
+};
+
+// The input of one image, in its own dtype and strides.
+template <typename scalar_t>
+struct ImageInput {
+  const scalar_t* boxes;  // element (i, k) at boxes[i * box_stride + k * coord_stride]
+  int64_t box_stride, coord_stride;
+  const scalar_t* scores;  // element i at scores[i * score_stride]
+  int64_t score_stride;
+  const int64_t* classes;  // [n] contiguous int64, or nullptr
+  bool padded;             // score -inf marks a padding box (the padded form)
+};
+
+// Rank r: its box and class in score order, its padding flag and Morton code, and the non-finite flag.
+template <typename T, typename scalar_t>
+LB_HOST_DEVICE void prepare_rank(const Image<T>& im, const ImageInput<scalar_t>& in, int64_t r) {
+  const int64_t i = im.order[r];
+  const T score = static_cast<T>(in.scores[i * in.score_stride]);
+  T* b = im.sorted_boxes + 4 * r;
+  bool finite = true;
+  for (int k = 0; k < 4; ++k) {
+    b[k] = static_cast<T>(in.boxes[i * in.box_stride + k * in.coord_stride]);
+    finite = finite && is_finite(b[k]);
+  }
+  const bool pad = in.padded && !is_finite(score) && score < T(0);
+  if (!pad && !is_finite(score)) im.counters[kBadScore] = 1;  // every writer writes 1: no race on the value
+  if (!pad && !finite) im.counters[kBadBox] = 1;
+  if (im.sorted_classes != nullptr) im.sorted_classes[r] = in.classes[i];
+  if (im.padding != nullptr) im.padding[r] = pad ? 1 : 0;
+  if (im.codes != nullptr) im.codes[r] = morton_code(b);
+}
+
+// Position p of the spatial order: its box and class, and the bit of a padding box (and of the bits past the
+// last box) in `removed`, which starts all zero.
+template <typename T>
+LB_HOST_DEVICE void place_position(const Image<T>& im, int64_t p) {
+  const int64_t r = im.spatial_order[p];
+  im.position[r] = p;
+  if (im.padding != nullptr && im.padding[r]) {
+    // Never compared, and its values may be anything (NaN): an empty box, which no region bound takes in.
+    const T inf = std::numeric_limits<T>::infinity();
+    im.boxes[4 * p] = im.boxes[4 * p + 1] = inf;
+    im.boxes[4 * p + 2] = im.boxes[4 * p + 3] = -inf;
+    or_word(&im.removed[p >> 6], uint64_t{1} << (p & 63));
+  } else {
+    for (int k = 0; k < 4; ++k) im.boxes[4 * p + k] = im.sorted_boxes[4 * r + k];
+  }
+  if (im.classes != nullptr) im.classes[p] = im.sorted_classes[r];
+  if (p == 0 && padding_bits(im.n) != 0) or_word(&im.removed[num_words(im.n) - 1], padding_bits(im.n));
+}
+
+template <typename T>
+LB_HOST_DEVICE void bound_block(const Image<T>& im, int64_t blk) {
+  const int64_t count = min_of(int64_t{kWordBits}, im.n - blk * kWordBits);
+  bound_groups(im.boxes, im.classes, 1, blk * kWordBits, count, im.block_region + 4 * blk, im.block_classes + 2 * blk);
+}
+
+template <typename T>
+LB_HOST_DEVICE void bound_super(const Image<T>& im, int64_t s) {
+  const int64_t count = min_of(int64_t{kSuperBlocks}, num_words(im.n) - s * kSuperBlocks);
+  const int64_t* classes = im.classes == nullptr ? nullptr : im.block_classes;
+  bound_groups(im.block_region, classes, 2, s * kSuperBlocks, count, im.super_region + 4 * s,
+               im.super_classes + 2 * s);
+}
+
+// Step 1, thread t of the tile starting at rank `first`: its row in shared memory and whether it is decided.
+// `tile.decided` must be zero before.
+template <typename T>
+LB_HOST_DEVICE void load_tile_row(const Image<T>& im, const Tile<T>& tile, int64_t first, int t, T off) {
+  if (t >= tile.rows) return;
+  const int64_t r = first + t;
+  for (int k = 0; k < 4; ++k) tile.boxes[4 * t + k] = im.sorted_boxes[4 * r + k];
+  tile.areas[t] = area_of(tile.boxes + 4 * t, off);
+  if (tile.classes != nullptr) tile.classes[t] = im.sorted_classes[r];
+  const bool decided = (im.padding != nullptr && im.padding[r]) ||
+                       (im.removed != nullptr && test_bit(im.removed, im.position[r]));
+  if (decided) or_word(&tile.decided[t >> 6], uint64_t{1} << (t & 63));
+}
+
+// Step 1, one thread, after every row's mask: the pass, the kept boxes appended to the output (up to its
+// capacity; all are counted), and the tile's kept rows for step 2.
+template <typename T>
+LB_HOST_DEVICE void resolve_tile(const Image<T>& im, const Tile<T>& tile, int64_t first) {
+  const int count = tile_pass(tile, im.tile_kept);
+  int64_t kept = im.counters[kKept];
+  for (int k = 0; k < count; ++k, ++kept) {
+    if (kept < im.capacity) im.keep[kept] = im.order[first + im.tile_kept[k]];
+  }
+  im.counters[kKept] = kept;
+  im.counters[kTileKept] = count;
+}
+
+// Step 1, thread t, after the pass: its row is decided, so step 2 and later tiles skip it.
+template <typename T>
+LB_HOST_DEVICE void mark_tile_row(const Image<T>& im, const Tile<T>& tile, int64_t first, int t) {
+  if (t >= tile.rows || im.removed == nullptr) return;
+  const int64_t p = im.position[first + t];
+  or_word(&im.removed[p >> 6], uint64_t{1} << (p & 63));
+}
+
+// Step 2 for the k-th kept row of the tile starting at rank `first`.
+template <typename T>
+LB_HOST_DEVICE void propagate_kept(const Image<T>& im, int64_t first, int64_t k, T thr, T off) {
+  if (k >= im.counters[kTileKept]) return;
+  const int64_t r = first + im.tile_kept[k];
+  propagate(im.index(), im.sorted_boxes + 4 * r, im.sorted_classes == nullptr ? 0 : im.sorted_classes[r], thr, off);
+}
+
+}  // namespace lightning_balanced::nms_tiled

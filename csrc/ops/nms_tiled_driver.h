@@ -1,0 +1,223 @@
+// The sequence of steps of the tiled NMS (nms_tiled.h) over a batch of images, written once for the CUDA
+// kernels and for their CPU emulation. `Launch` runs a step over every (image, index) pair: cuda/nms_kernel.cu
+// launches one kernel per step, cpu/nms_tiled_schedule.cpp loops, one index after another.
+//
+// Fixed shapes and no host sync: the number of tiles depends on N only, the counts stay on the device, and
+// the kept indices go to a [B, capacity] output filled with -1. The unpadded ops read the counts back once.
+
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/gather.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/zeros.h>
+
+#include <cstdint>
+#include <tuple>
+#include <utility>
+
+#include "ops/nms_tiled.h"
+
+namespace lightning_balanced::nms_tiled {
+
+// Scratch is linear in the boxes: about 32 values of the compute type and 80 bytes more per box (sorted and
+// spatial copies, orders, codes, sort buffers). A call that would need more than this is refused, naming it.
+constexpr int64_t kMaxScratchBytes = int64_t{2} << 30;  // 2 GiB
+
+inline int64_t scratch_bytes(int64_t boxes, int64_t value_bytes) { return boxes * (32 * value_bytes + 80); }
+
+// Image b's arrays within the batch's (each array holds B images back to back).
+template <typename T>
+LB_HOST_DEVICE Image<T> image_at(const Image<T>& batch, int64_t b, int tile_rows) {
+  const int64_t n = batch.n, words = num_words(n), supers = num_supers(n);
+  auto shift = [b](auto* p, int64_t size) { return p == nullptr ? p : p + b * size; };
+  Image<T> im = batch;
+  im.order = shift(batch.order, n);
+  im.sorted_boxes = shift(batch.sorted_boxes, 4 * n);
+  im.sorted_classes = shift(batch.sorted_classes, n);
+  im.padding = shift(batch.padding, n);
+  im.codes = shift(batch.codes, n);
+  im.spatial_order = shift(batch.spatial_order, n);
+  im.position = shift(batch.position, n);
+  im.boxes = shift(batch.boxes, 4 * n);
+  im.classes = shift(batch.classes, n);
+  im.block_region = shift(batch.block_region, 4 * words);
+  im.block_classes = shift(batch.block_classes, 2 * words);
+  im.super_region = shift(batch.super_region, 4 * supers);
+  im.super_classes = shift(batch.super_classes, 2 * supers);
+  im.removed = shift(batch.removed, words);
+  im.counters = shift(batch.counters, int64_t{kCounters});
+  im.tile_kept = shift(batch.tile_kept, int64_t{tile_rows});
+  im.keep = shift(batch.keep, batch.capacity);
+  return im;
+}
+
+// The steps as function objects (no device lambdas needed): each runs for one (image, index).
+template <typename T, typename scalar_t>
+struct PrepareStep {
+  Image<T> batch;
+  ImageInput<scalar_t> input;
+  int64_t box_batch_stride, score_batch_stride;
+  int tile_rows;
+  LB_HOST_DEVICE void operator()(int64_t b, int64_t r) const {
+    ImageInput<scalar_t> in = input;
+    in.boxes += b * box_batch_stride;
+    in.scores += b * score_batch_stride;
+    if (in.classes != nullptr) in.classes += b * batch.n;
+    prepare_rank(image_at(batch, b, tile_rows), in, r);
+  }
+};
+
+template <typename T>
+struct PlaceStep {
+  Image<T> batch;
+  int tile_rows;
+  LB_HOST_DEVICE void operator()(int64_t b, int64_t p) const { place_position(image_at(batch, b, tile_rows), p); }
+};
+
+template <typename T>
+struct BlockStep {
+  Image<T> batch;
+  int tile_rows;
+  LB_HOST_DEVICE void operator()(int64_t b, int64_t blk) const { bound_block(image_at(batch, b, tile_rows), blk); }
+};
+
+template <typename T>
+struct SuperStep {
+  Image<T> batch;
+  int tile_rows;
+  LB_HOST_DEVICE void operator()(int64_t b, int64_t s) const { bound_super(image_at(batch, b, tile_rows), s); }
+};
+
+template <typename T>
+struct PropagateStep {
+  Image<T> batch;
+  int tile_rows;
+  int64_t first;
+  T thr, off;
+  LB_HOST_DEVICE void operator()(int64_t b, int64_t k) const {
+    propagate_kept(image_at(batch, b, tile_rows), first, k, thr, off);
+  }
+};
+
+// The input in the kernels' layout: boxes [B, N, 4], scores [B, N], classes [B, N] int64 contiguous (or
+// undefined), all on one device.
+struct TiledInput {
+  at::Tensor boxes, scores, classes;
+  double iou_threshold;
+  int64_t offset;
+  bool padded;       // score -inf marks a padding box, never kept
+  int64_t capacity;  // kept indices stored per image
+};
+
+// Runs the tiled NMS; returns the kept input indices [B, capacity] (by decreasing score, -1 after the last)
+// and the counters [B, kCounters] (int64).
+template <typename Launch>
+std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in, int tile_rows) {
+  const int64_t batch = in.boxes.size(0), n = in.boxes.size(1);
+  const bool is_double = in.boxes.scalar_type() == at::kDouble;
+  const auto compute = is_double ? at::kDouble : at::kFloat;
+  const int64_t bytes = scratch_bytes(batch * n, is_double ? 8 : 4);
+  TORCH_CHECK_VALUE(bytes <= kMaxScratchBytes, op, ": ", batch * n, " boxes need ", (bytes >> 20),
+                    " MiB of scratch memory, over the limit of ", (kMaxScratchBytes >> 20), " MiB per call (about ",
+                    kMaxScratchBytes / scratch_bytes(1, is_double ? 8 : 4), " boxes); split the input");
+  const auto longs = in.boxes.options().dtype(at::kLong);
+  at::Tensor keep = at::full({batch, in.capacity}, -1, longs);
+  at::Tensor counters = at::zeros({batch, kCounters}, longs);
+  if (n == 0 || batch == 0) return {keep, counters};
+
+  const at::Tensor order = std::get<1>(in.scores.to(compute).sort(/*stable=*/true, /*dim=*/1, /*descending=*/true));
+  const bool by_class = in.classes.defined();
+  const bool tiled = n > tile_rows;
+  const int64_t words = num_words(n), supers = num_supers(n);
+  at::Tensor sorted_boxes = at::empty({batch, n, 4}, in.boxes.options().dtype(compute));
+  at::Tensor sorted_classes = by_class ? at::empty({batch, n}, longs) : at::Tensor();
+  at::Tensor padding = in.padded ? at::empty({batch, n}, longs.dtype(at::kByte)) : at::Tensor();
+  at::Tensor codes = tiled ? at::empty({batch, n}, longs) : at::Tensor();
+  at::Tensor tile_kept = at::empty({batch, tile_rows}, longs.dtype(at::kInt));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.boxes.scalar_type(), "lightning_balanced_nms_tiled", [&] {
+    using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    Image<T> im{};
+    im.n = n;
+    im.order = order.const_data_ptr<int64_t>();
+    im.sorted_boxes = sorted_boxes.mutable_data_ptr<T>();
+    im.sorted_classes = by_class ? sorted_classes.mutable_data_ptr<int64_t>() : nullptr;
+    im.padding = in.padded ? padding.mutable_data_ptr<uint8_t>() : nullptr;
+    im.codes = tiled ? codes.mutable_data_ptr<int64_t>() : nullptr;
+    im.counters = counters.mutable_data_ptr<int64_t>();
+    im.tile_kept = tile_kept.mutable_data_ptr<int32_t>();
+    im.keep = keep.mutable_data_ptr<int64_t>();
+    im.capacity = in.capacity;
+    const ImageInput<scalar_t> input{in.boxes.const_data_ptr<scalar_t>(),
+                                     in.boxes.stride(1),
+                                     in.boxes.stride(2),
+                                     in.scores.const_data_ptr<scalar_t>(),
+                                     in.scores.stride(1),
+                                     by_class ? in.classes.const_data_ptr<int64_t>() : nullptr,
+                                     in.padded};
+    Launch::each(batch, n, PrepareStep<T, scalar_t>{im, input, in.boxes.stride(0), in.scores.stride(0), tile_rows});
+
+    at::Tensor spatial_order, position, boxes, classes, block_region, block_classes, super_region, super_classes,
+        removed;
+    if (tiled) {
+      spatial_order = std::get<1>(codes.sort(/*stable=*/true, /*dim=*/1, /*descending=*/false));
+      if (by_class) {  // class-major, Morton order within a class
+        const at::Tensor by_position = sorted_classes.gather(1, spatial_order);
+        spatial_order = spatial_order.gather(1, std::get<1>(by_position.sort(true, 1, false)));
+      }
+      spatial_order = spatial_order.contiguous();
+      position = at::empty({batch, n}, longs);
+      boxes = at::empty({batch, n, 4}, sorted_boxes.options());
+      classes = by_class ? at::empty({batch, n}, longs) : at::Tensor();
+      block_region = at::empty({batch, words, 4}, sorted_boxes.options());
+      block_classes = at::empty({batch, words, 2}, longs);
+      super_region = at::empty({batch, supers, 4}, sorted_boxes.options());
+      super_classes = at::empty({batch, supers, 2}, longs);
+      removed = at::zeros({batch, words}, longs);
+      im.spatial_order = spatial_order.const_data_ptr<int64_t>();
+      im.position = position.mutable_data_ptr<int64_t>();
+      im.boxes = boxes.mutable_data_ptr<T>();
+      im.classes = by_class ? classes.mutable_data_ptr<int64_t>() : nullptr;
+      im.block_region = block_region.mutable_data_ptr<T>();
+      im.block_classes = block_classes.mutable_data_ptr<int64_t>();
+      im.super_region = super_region.mutable_data_ptr<T>();
+      im.super_classes = super_classes.mutable_data_ptr<int64_t>();
+      im.removed = reinterpret_cast<uint64_t*>(removed.mutable_data_ptr<int64_t>());
+      Launch::each(batch, n, PlaceStep<T>{im, tile_rows});
+      Launch::each(batch, words, BlockStep<T>{im, tile_rows});
+      Launch::each(batch, supers, SuperStep<T>{im, tile_rows});
+    }
+    const T thr = static_cast<T>(in.iou_threshold), off = static_cast<T>(in.offset);
+    for (int64_t first = 0; first < n; first += tile_rows) {
+      const int rows = static_cast<int>(std::min<int64_t>(tile_rows, n - first));
+      Launch::template tile<T>(im, batch, tile_rows, first, rows, by_class, thr, off);
+      if (first + tile_rows < n) Launch::each(batch, tile_rows, PropagateStep<T>{im, tile_rows, first, thr, off});
+    }
+  });
+  return {keep, counters};
+}
+
+// The unpadded ops' result: the kept indices of the single image, after one read of its counters (the only
+// sync), or the error of a NaN or infinite value.
+inline at::Tensor kept_indices(const char* op, const at::Tensor& keep, const at::Tensor& counters) {
+  const at::Tensor host = counters[0].to(at::kCPU);
+  const int64_t* c = host.const_data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(c[kBadScore] == 0, op, ": scores must be finite (no NaN or infinity)");
+  TORCH_CHECK_VALUE(c[kBadBox] == 0, op, ": box coordinates must be finite (no NaN or infinity)");
+  return keep[0].narrow(0, 0, c[kKept]);
+}
+
+// The padded op's result: keep [B, capacity] and num_kept [B] (the kept count up to the capacity, or -1 and an
+// all -1 row for an image with a NaN or infinite value other than a padding score). Sync-free.
+inline std::tuple<at::Tensor, at::Tensor> padded_result(at::Tensor keep, const at::Tensor& counters) {
+  const at::Tensor bad = counters.select(1, kBadScore).add(counters.select(1, kBadBox)).gt(0);
+  const at::Tensor num_kept = counters.select(1, kKept).clamp_max(keep.size(1)).masked_fill(bad, -1);
+  keep.masked_fill_(bad.unsqueeze(1), -1);
+  return {keep, num_kept};
+}
+
+}  // namespace lightning_balanced::nms_tiled

@@ -1,0 +1,159 @@
+"""The CUDA kernels' tiled NMS, run on the CPU by its emulation ``_nms_tiled_schedule`` (csrc/ops/nms_tiled.h).
+
+The emulation runs the kernels' steps (csrc/ops/nms_tiled_driver.h) in their order; small tiles give many tiles and
+many 64-box blocks at sizes the reference can check, so every path of the algorithm the GPU runs is exercised here:
+the tile pass, the propagation through the spatial index, block and super-block skipping, classes and padding.
+Exactness: the kept indices equal the reference's exactly (the arithmetic is the same, rounded to nearest).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_balanced.ops import batched_nms, batched_nms_reference, nms, nms_reference
+from tests.helpers import RunIf, raises_exactly
+from tests.ops.test_nms import HYPOTHESIS, THRESHOLDS, _random_boxes, box_sets
+
+pytestmark = RunIf(compiled_ops=True)
+
+KEPT, TILE_KEPT, BAD_SCORE, BAD_BOX = range(4)
+LAYOUTS = ["uniform", "clustered", "heavy_tailed", "mixed_sizes", "few_large", "degenerate_mix", "tiny"]
+
+
+def _tiled(
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    idxs: torch.Tensor | None,
+    iou_threshold: float,
+    offset: int = 0,
+    tile_rows: int = 64,
+    padded: bool = False,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The emulation on a batch: ``keep [B, capacity]`` and ``counters [B, 4]``."""
+    capacity = boxes.shape[1] if capacity is None else capacity
+    schedule = torch.ops.lightning_balanced._nms_tiled_schedule
+    keep, counters = schedule(boxes, scores, idxs, iou_threshold, offset, padded, capacity, tile_rows)
+    return keep, counters
+
+
+def _tiled_single(boxes, scores, idxs, iou_threshold, offset=0, tile_rows=64) -> torch.Tensor:
+    keep, counters = _tiled(
+        boxes[None], scores[None], None if idxs is None else idxs[None], iou_threshold, offset, tile_rows
+    )
+    assert counters[0, BAD_SCORE] == 0 and counters[0, BAD_BOX] == 0
+    assert (keep[0, counters[0, KEPT] :] == -1).all()
+    return keep[0, : counters[0, KEPT]]
+
+
+def _reference(boxes, scores, idxs, iou_threshold, offset=0) -> torch.Tensor:
+    if idxs is None:
+        return nms_reference(boxes, scores, iou_threshold, offset)
+    return batched_nms_reference(boxes, scores, idxs, iou_threshold, offset)
+
+
+def _cpu_kernel(boxes, scores, idxs, iou_threshold, offset=0) -> torch.Tensor:
+    """The CPU kernel, itself checked against the reference in test_nms.py: the oracle for thousands of boxes."""
+    if idxs is None:
+        return nms(boxes, scores, iou_threshold, offset)
+    return batched_nms(boxes, scores, idxs, iou_threshold, offset)
+
+
+@settings(HYPOTHESIS, max_examples=400)
+@given(
+    data=box_sets(max_n=200),
+    iou_threshold=THRESHOLDS,
+    offset=st.sampled_from([0, 1]),
+    tile_rows=st.sampled_from([64, 128]),
+    classes=st.sampled_from([0, 1, 3]),
+)
+def test_tiled_schedule_matches_the_reference(data, iou_threshold, offset, tile_rows, classes) -> None:
+    boxes, scores = data
+    idxs = None if classes == 0 else (torch.arange(boxes.shape[0]) * 7 % classes) - 1
+    expected = _reference(boxes, scores, idxs, iou_threshold, offset)
+    assert torch.equal(_tiled_single(boxes, scores, idxs, iou_threshold, offset, tile_rows), expected)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("by_class", [False, True], ids=["nms", "batched"])
+def test_tiled_schedule_on_many_tiles_and_blocks(layout: str, dtype: torch.dtype, by_class: bool) -> None:
+    """5,000 boxes: 79 tiles of 64 rows, 79 blocks, 2 super-blocks; and the GPU's own tile sizes."""
+    boxes, scores = _random_boxes(3, 5000, layout, dtype)
+    idxs = torch.randint(-2, 5, (5000,), generator=torch.Generator().manual_seed(1)) if by_class else None
+    for iou_threshold in (0.0, 0.5, 1.0):
+        expected = _cpu_kernel(boxes, scores, idxs, iou_threshold)
+        for tile_rows in (64, 256 if dtype == torch.float64 else 512):
+            assert torch.equal(_tiled_single(boxes, scores, idxs, iou_threshold, 0, tile_rows), expected)
+
+
+def test_tiled_schedule_on_duplicates_and_ties() -> None:
+    """Every box repeated 50 times with equal scores: the lower index is kept, the copies suppressed."""
+    boxes, _ = _random_boxes(5, 100, "uniform", torch.float32)
+    boxes = boxes.repeat(50, 1)
+    scores = torch.arange(100, dtype=torch.float32).repeat(50) % 7
+    for idxs in (None, torch.arange(5000) % 3):
+        expected = _cpu_kernel(boxes, scores, idxs, 0.5)
+        assert torch.equal(_tiled_single(boxes, scores, idxs, 0.5, 0, 128), expected)
+
+
+def test_tiled_schedule_counts_the_kept_boxes_beyond_the_capacity_and_stores_the_best() -> None:
+    boxes, scores = _random_boxes(7, 700, "uniform", torch.float32)
+    expected = nms(boxes, scores, 0.3)
+    keep, counters = _tiled(boxes[None], scores[None], None, 0.3, capacity=10)
+    assert counters[0, KEPT] == expected.numel()
+    assert torch.equal(keep[0], expected[:10])
+
+
+def test_tiled_schedule_skips_padding_boxes_in_the_padded_form() -> None:
+    boxes, scores = _random_boxes(9, 600, "clustered", torch.float32)
+    padded_scores = scores.clone()
+    padded_scores[::3] = float("-inf")
+    real = torch.nonzero(~torch.isneginf(padded_scores)).flatten()
+    boxes_with_garbage = boxes.clone()
+    boxes_with_garbage[::3] = float("nan")  # a padding box's values are never read
+    expected = real[nms(boxes[real], scores[real], 0.5)]
+    keep, counters = _tiled(boxes_with_garbage[None], padded_scores[None], None, 0.5, padded=True)
+    assert counters[0].tolist()[BAD_SCORE:] == [0, 0]
+    assert torch.equal(keep[0, : counters[0, KEPT]], expected)
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "flag"),
+    [("score", float("nan"), BAD_SCORE), ("score", float("inf"), BAD_SCORE), ("box", float("-inf"), BAD_BOX)],
+)
+@pytest.mark.parametrize("padded", [False, True])
+def test_tiled_schedule_flags_non_finite_values(where: str, value: float, flag: int, padded: bool) -> None:
+    boxes, scores = _random_boxes(11, 300, "uniform", torch.float32)
+    (scores if where == "score" else boxes[:, 2])[123] = value
+    _, counters = _tiled(boxes[None], scores[None], None, 0.5, padded=padded)
+    assert counters[0, flag] == 1 and counters[0, BAD_SCORE + BAD_BOX - flag] == 0
+
+
+def test_tiled_schedule_refuses_a_call_over_its_scratch_limit_naming_it() -> None:
+    boxes = torch.zeros(1, 1, 4).expand(1, 11_000_000, 4)  # a view: nothing is allocated before the check
+    scores = torch.zeros(1, 1).expand(1, 11_000_000)
+    message = (
+        "_nms_tiled_schedule: 11000000 boxes need 2182 MiB of scratch memory, over the limit of 2048 MiB per call "
+        "(about 10324440 boxes); split the input"
+    )
+    with raises_exactly(ValueError, message):
+        _tiled(boxes, scores, None, 0.5)
+
+
+@settings(HYPOTHESIS, max_examples=60)
+@given(
+    seed=st.integers(0, 2**16), n=st.integers(0, 400), images=st.integers(1, 4), tile_rows=st.sampled_from([64, 192])
+)
+def test_tiled_schedule_on_a_batch_equals_each_image_alone(seed: int, n: int, images: int, tile_rows: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    xy = torch.rand(images, n, 2, generator=gen) * 100
+    boxes = torch.cat([xy, xy + torch.rand(images, n, 2, generator=gen) * 30], dim=2)
+    scores = torch.randint(0, 20, (images, n), generator=gen).float()
+    idxs = torch.randint(0, 3, (images, n), generator=gen)
+    keep, counters = _tiled(boxes, scores, idxs, 0.4, tile_rows=tile_rows)
+    for b in range(images):
+        assert torch.equal(keep[b, : counters[b, KEPT]], batched_nms(boxes[b], scores[b], idxs[b], 0.4))
