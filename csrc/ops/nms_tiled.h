@@ -8,8 +8,9 @@
 // The greedy NMS (boxes by decreasing score; a box is kept unless a kept, higher-scoring box suppresses it)
 // runs over tiles of `rows` consecutive boxes in score order:
 //   1. resolve the tile: each row's mask of the later rows of the same tile it suppresses (a rows x rows/64
-//      bitmask in shared memory), then one thread walks the rows in order, skipping those already suppressed
-//      by earlier tiles, and keeps the rest unless a kept row of the tile suppressed them;
+//      bitmask, computed for all tiles at once before the first), staged in shared memory; then one thread
+//      walks the rows in order, skipping those already suppressed by earlier tiles, and keeps the rest unless
+//      a kept row of the tile suppressed them;
 //   2. propagate: each kept row of the tile marks, in the `removed` bitmask of all boxes, the boxes it
 //      suppresses. The boxes are indexed there in a spatial order (Morton order of the box centres), in
 //      blocks of 64 (one word of `removed`) and super-blocks of 64 blocks, each with the bounding box of its
@@ -258,41 +259,19 @@ LB_HOST_DEVICE void propagate(const SpatialIndex<T>& index, const T* a, int64_t 
 }
 
 // ---- one tile ---------------------------------------------------------------------------------------------------
-// The tile's rows (boxes first .. first + rows - 1 of the score order) as shared memory holds them.
-template <typename T>
+// The tile's state in shared memory: its rows are boxes first .. first + rows - 1 of the score order.
 struct Tile {
   int rows;
-  T* boxes;              // [rows, 4]
-  T* areas;              // [rows]
-  int64_t* classes;      // [rows], or nullptr (one class)
-  uint64_t* decided;     // [words]: rows decided before the tile (suppressed earlier, or padding)
+  uint64_t* decided;     // [words]: rows decided before the tile (suppressed by an earlier tile, or padding)
   uint64_t* mask;        // [rows, words]: row r's suppression of the later rows of the tile
   uint64_t* suppressed;  // [words]: scratch of the pass
 };
 
 LB_HOST_DEVICE int tile_words(int rows) { return (rows + kWordBits - 1) / kWordBits; }
 
-// Step 1a for row r: its mask of the later, undecided rows of the tile it suppresses.
-template <typename T>
-LB_HOST_DEVICE void tile_row_mask(const Tile<T>& tile, int r, T thr, T off) {
-  const int words = tile_words(tile.rows);
-  uint64_t* row = tile.mask + static_cast<int64_t>(r) * words;
-  for (int w = 0; w < words; ++w) row[w] = 0;
-  if (test_bit(tile.decided, r)) return;  // never kept: its mask is never read
-  const T* a = tile.boxes + 4 * r;
-  for (int c = r + 1; c < tile.rows; ++c) {
-    if (test_bit(tile.decided, c)) continue;
-    if (tile.classes != nullptr && tile.classes[c] != tile.classes[r]) continue;
-    if (suppresses(a, tile.areas[r], tile.boxes + 4 * c, tile.areas[c], thr, off)) {
-      row[c >> 6] |= uint64_t{1} << (c & 63);
-    }
-  }
-}
-
 // Step 1b, one thread: the greedy pass over the tile's rows in score order. Writes the kept rows (tile-local,
 // ascending) to `kept` and returns their number.
-template <typename T>
-LB_HOST_DEVICE int tile_pass(const Tile<T>& tile, int32_t* kept) {
+LB_HOST_DEVICE int tile_pass(const Tile& tile, int32_t* kept) {
   const int words = tile_words(tile.rows);
   for (int w = 0; w < words; ++w) tile.suppressed[w] = tile.decided[w];
   int count = 0;
@@ -335,6 +314,7 @@ struct Image {
   T* super_region;          // [supers, 4]
   int64_t* super_classes;   // [supers, 2]
   uint64_t* removed;        // [words], by position
+  uint64_t* tile_masks;     // [n, tile words]: each row's mask of the later rows of its tile (step 1a)
   int64_t* counters;        // [kCounters]
   int32_t* tile_kept;       // [tile rows]: the kept rows of the current tile
   int64_t* keep;            // [capacity]: input indices of the kept boxes, by decreasing score
@@ -408,15 +388,35 @@ LB_HOST_DEVICE void bound_super(const Image<T>& im, int64_t s) {
                im.super_classes + 2 * s);
 }
 
-// Step 1, thread t of the tile starting at rank `first`: its row in shared memory and whether it is decided.
-// `tile.decided` must be zero before.
+// Step 1a, for every tile at once (no tile depends on another here): word w of the mask of the box of rank r,
+// the later boxes of its tile that it suppresses. Boxes decided before their tile get bits too: the pass never
+// reads a decided row, and bits for a decided column change nothing.
 template <typename T>
-LB_HOST_DEVICE void load_tile_row(const Image<T>& im, const Tile<T>& tile, int64_t first, int t, T off) {
+LB_HOST_DEVICE void mask_word(const Image<T>& im, int tile_rows, int64_t r, int w, T thr, T off) {
+  const int64_t first = r - r % tile_rows;
+  const int64_t end = min_of(im.n, first + tile_rows);
+  const int words = tile_words(tile_rows);
+  const T* a = im.sorted_boxes + 4 * r;
+  const T area_a = area_of(a, off);
+  const bool by_class = im.sorted_classes != nullptr;
+  uint64_t bits = 0;
+  const int64_t last = min_of(end, first + int64_t{kWordBits} * (w + 1));
+  for (int64_t c = max_of(r + 1, first + int64_t{kWordBits} * w); c < last; ++c) {
+    if (by_class && im.sorted_classes[c] != im.sorted_classes[r]) continue;
+    const T* b = im.sorted_boxes + 4 * c;
+    if (suppresses(a, area_a, b, area_of(b, off), thr, off)) bits |= uint64_t{1} << ((c - first) & 63);
+  }
+  im.tile_masks[r * words + w] = bits;
+}
+
+// Step 1b, thread t of the tile starting at rank `first`: its row's mask staged in shared memory, and whether
+// the row is decided. `tile.decided` must be zero before.
+template <typename T>
+LB_HOST_DEVICE void load_tile_row(const Image<T>& im, const Tile& tile, int tile_rows, int64_t first, int t) {
   if (t >= tile.rows) return;
   const int64_t r = first + t;
-  for (int k = 0; k < 4; ++k) tile.boxes[4 * t + k] = im.sorted_boxes[4 * r + k];
-  tile.areas[t] = area_of(tile.boxes + 4 * t, off);
-  if (tile.classes != nullptr) tile.classes[t] = im.sorted_classes[r];
+  const int words = tile_words(tile.rows), stride = tile_words(tile_rows);
+  for (int w = 0; w < words; ++w) tile.mask[t * words + w] = im.tile_masks[r * stride + w];
   const bool decided = (im.padding != nullptr && im.padding[r]) ||
                        (im.removed != nullptr && test_bit(im.removed, im.position[r]));
   if (decided) or_word(&tile.decided[t >> 6], uint64_t{1} << (t & 63));
@@ -425,7 +425,7 @@ LB_HOST_DEVICE void load_tile_row(const Image<T>& im, const Tile<T>& tile, int64
 // Step 1, one thread, after every row's mask: the pass, the kept boxes appended to the output (up to its
 // capacity; all are counted), and the tile's kept rows for step 2.
 template <typename T>
-LB_HOST_DEVICE void resolve_tile(const Image<T>& im, const Tile<T>& tile, int64_t first) {
+LB_HOST_DEVICE void resolve_tile(const Image<T>& im, const Tile& tile, int64_t first) {
   const int count = tile_pass(tile, im.tile_kept);
   int64_t kept = im.counters[kKept];
   for (int k = 0; k < count; ++k, ++kept) {
@@ -437,7 +437,7 @@ LB_HOST_DEVICE void resolve_tile(const Image<T>& im, const Tile<T>& tile, int64_
 
 // Step 1, thread t, after the pass: its row is decided, so step 2 and later tiles skip it.
 template <typename T>
-LB_HOST_DEVICE void mark_tile_row(const Image<T>& im, const Tile<T>& tile, int64_t first, int t) {
+LB_HOST_DEVICE void mark_tile_row(const Image<T>& im, const Tile& tile, int64_t first, int t) {
   if (t >= tile.rows || im.removed == nullptr) return;
   const int64_t p = im.position[first + t];
   or_word(&im.removed[p >> 6], uint64_t{1} << (p & 63));

@@ -23,11 +23,12 @@
 
 namespace lightning_balanced::nms_tiled {
 
-// Scratch is linear in the boxes: about 32 values of the compute type and 80 bytes more per box (sorted and
-// spatial copies, orders, codes, sort buffers). A call that would need more than this is refused, naming it.
+// Scratch is linear in the boxes: about 32 values of the compute type and 144 bytes more per box (sorted and
+// spatial copies, orders, codes, sort buffers, the tile masks). A call that would need more is refused, naming
+// the limit.
 constexpr int64_t kMaxScratchBytes = int64_t{2} << 30;  // 2 GiB
 
-inline int64_t scratch_bytes(int64_t boxes, int64_t value_bytes) { return boxes * (32 * value_bytes + 80); }
+inline int64_t scratch_bytes(int64_t boxes, int64_t value_bytes) { return boxes * (32 * value_bytes + 144); }
 
 // Image b's arrays within the batch's (each array holds B images back to back).
 template <typename T>
@@ -49,6 +50,7 @@ LB_HOST_DEVICE Image<T> image_at(const Image<T>& batch, int64_t b, int tile_rows
   im.super_region = shift(batch.super_region, 4 * supers);
   im.super_classes = shift(batch.super_classes, 2 * supers);
   im.removed = shift(batch.removed, words);
+  im.tile_masks = shift(batch.tile_masks, n * tile_words(tile_rows));
   im.counters = shift(batch.counters, int64_t{kCounters});
   im.tile_kept = shift(batch.tile_kept, int64_t{tile_rows});
   im.keep = shift(batch.keep, batch.capacity);
@@ -68,6 +70,17 @@ struct PrepareStep {
     in.scores += b * score_batch_stride;
     if (in.classes != nullptr) in.classes += b * batch.n;
     prepare_rank(image_at(batch, b, tile_rows), in, r);
+  }
+};
+
+template <typename T>
+struct MaskStep {
+  Image<T> batch;
+  int tile_rows;
+  T thr, off;
+  LB_HOST_DEVICE void operator()(int64_t b, int64_t i) const {
+    const int words = tile_words(tile_rows);
+    mask_word(image_at(batch, b, tile_rows), tile_rows, i / words, static_cast<int>(i % words), thr, off);
   }
 };
 
@@ -138,6 +151,7 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
   at::Tensor padding = in.padded ? at::empty({batch, n}, longs.dtype(at::kByte)) : at::Tensor();
   at::Tensor codes = tiled ? at::empty({batch, n}, longs) : at::Tensor();
   at::Tensor tile_kept = at::empty({batch, tile_rows}, longs.dtype(at::kInt));
+  at::Tensor tile_masks = at::empty({batch, n, tile_words(tile_rows)}, longs);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.boxes.scalar_type(), "lightning_balanced_nms_tiled", [&] {
     using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
@@ -152,6 +166,7 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
     im.tile_kept = tile_kept.mutable_data_ptr<int32_t>();
     im.keep = keep.mutable_data_ptr<int64_t>();
     im.capacity = in.capacity;
+    im.tile_masks = reinterpret_cast<uint64_t*>(tile_masks.mutable_data_ptr<int64_t>());
     const ImageInput<scalar_t> input{in.boxes.const_data_ptr<scalar_t>(),
                                      in.boxes.stride(1),
                                      in.boxes.stride(2),
@@ -192,9 +207,10 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
       Launch::each(batch, supers, SuperStep<T>{im, tile_rows});
     }
     const T thr = static_cast<T>(in.iou_threshold), off = static_cast<T>(in.offset);
+    Launch::each(batch, n * tile_words(tile_rows), MaskStep<T>{im, tile_rows, thr, off});
     for (int64_t first = 0; first < n; first += tile_rows) {
       const int rows = static_cast<int>(std::min<int64_t>(tile_rows, n - first));
-      Launch::template tile<T>(im, batch, tile_rows, first, rows, by_class, thr, off);
+      Launch::template tile<T>(im, batch, tile_rows, first, rows);
       if (first + tile_rows < n) Launch::each(batch, tile_rows, PropagateStep<T>{im, tile_rows, first, thr, off});
     }
   });

@@ -27,19 +27,14 @@ struct HostLaunch {
 
   // tile_kernel of cuda/nms_kernel.cu with `tile_rows` threads, phase by phase.
   template <typename T>
-  static void tile(const Image<T>& batch_image, int64_t batch, int tile_rows, int64_t first, int rows, bool by_class,
-                   T thr, T off) {
+  static void tile(const Image<T>& batch_image, int64_t batch, int tile_rows, int64_t first, int rows) {
     const int words = tile_words(tile_rows);
-    std::vector<T> boxes(4 * static_cast<size_t>(tile_rows)), areas(tile_rows);
-    std::vector<int64_t> classes(tile_rows);
     std::vector<uint64_t> decided(words), suppressed(words), mask(static_cast<size_t>(tile_rows) * words);
     for (int64_t b = 0; b < batch; ++b) {
       const Image<T> im = image_at(batch_image, b, tile_rows);
-      const Tile<T> tile{rows,           boxes.data(), areas.data(), by_class ? classes.data() : nullptr,
-                         decided.data(), mask.data(),  suppressed.data()};
+      const Tile tile{rows, decided.data(), mask.data(), suppressed.data()};
       for (int t = 0; t < words; ++t) decided[t] = 0;
-      for (int t = 0; t < tile_rows; ++t) load_tile_row(im, tile, first, t, off);
-      for (int t = 0; t < rows; ++t) tile_row_mask(tile, t, thr, off);
+      for (int t = 0; t < tile_rows; ++t) load_tile_row(im, tile, tile_rows, first, t);
       resolve_tile(im, tile, first);
       for (int t = 0; t < tile_rows; ++t) mark_tile_row(im, tile, first, t);
     }

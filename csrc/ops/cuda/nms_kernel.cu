@@ -28,10 +28,8 @@ namespace {
 
 using namespace lightning_balanced::nms_tiled;
 
-// Rows per tile, one thread each: the tile's boxes, areas, classes and its rows x rows/64 mask stay in the
-// 48 KiB of static shared memory (47,232 bytes for float32, 20,544 for float64).
-template <typename T>
-constexpr int kTileRows = sizeof(T) == 4 ? 512 : 256;
+// Rows per tile, one thread each: the tile's rows x rows/64 mask is staged in shared memory (32 KiB).
+constexpr int kTileRows = 512;
 constexpr int kStepThreads = 256;
 constexpr int64_t kMaxImages = 65535;  // gridDim.y
 
@@ -41,24 +39,19 @@ __global__ void step_kernel(F step, int64_t count) {
   if (i < count) step(blockIdx.y, i);
 }
 
+// Step 1b of one tile (one block per image): stage the rows' masks, resolve, mark the rows decided.
 template <typename T, int kRows>
-__global__ void __launch_bounds__(kRows)
-    tile_kernel(Image<T> batch, int64_t first, int rows, bool by_class, T thr, T off) {
+__global__ void __launch_bounds__(kRows) tile_kernel(Image<T> batch, int64_t first, int rows) {
   constexpr int kWords = kRows / kWordBits;
-  __shared__ T boxes[kRows * 4];
-  __shared__ T areas[kRows];
-  __shared__ int64_t classes[kRows];
   __shared__ uint64_t decided[kWords];
   __shared__ uint64_t suppressed[kWords];
   __shared__ uint64_t mask[kRows * kWords];
   const Image<T> im = image_at(batch, blockIdx.y, kRows);
-  const Tile<T> tile{rows, boxes, areas, by_class ? classes : nullptr, decided, mask, suppressed};
+  const Tile tile{rows, decided, mask, suppressed};
   const int t = threadIdx.x;
   if (t < kWords) decided[t] = 0;
   __syncthreads();
-  load_tile_row(im, tile, first, t, off);
-  __syncthreads();
-  if (t < rows) tile_row_mask(tile, t, thr, off);
+  load_tile_row(im, tile, kRows, first, t);
   __syncthreads();
   if (t == 0) resolve_tile(im, tile, first);
   __syncthreads();
@@ -75,19 +68,14 @@ struct CudaLaunch {
   }
 
   template <typename T>
-  static void tile(const Image<T>& batch_image, int64_t batch, int tile_rows, int64_t first, int rows, bool by_class,
-                   T thr, T off) {
-    TORCH_INTERNAL_ASSERT(tile_rows == kTileRows<T>);
+  static void tile(const Image<T>& batch_image, int64_t batch, int tile_rows, int64_t first, int rows) {
+    TORCH_INTERNAL_ASSERT(tile_rows == kTileRows);
     const dim3 grid(1, static_cast<unsigned>(batch));
-    tile_kernel<T, kTileRows<T>><<<grid, kTileRows<T>, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        batch_image, first, rows, by_class, thr, off);
+    tile_kernel<T, kTileRows><<<grid, kTileRows, 0, c10::cuda::getCurrentCUDAStream()>>>(batch_image, first,
+                                                                                                 rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
-
-int tile_rows_for(const at::Tensor& boxes) {
-  return boxes.scalar_type() == at::kDouble ? kTileRows<double> : kTileRows<float>;
-}
 
 at::Tensor nms_cuda_impl(const char* op, const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor* idxs,
                          double iou_threshold, int64_t offset) {
@@ -102,7 +90,7 @@ at::Tensor nms_cuda_impl(const char* op, const at::Tensor& boxes, const at::Tens
                          offset,
                          /*padded=*/false,
                          /*capacity=*/n};
-  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, tile_rows_for(boxes));
+  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, kTileRows);
   return kept_indices(op, keep, counters);
 }
 
@@ -138,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor> batched_nms_padded_cuda(const at::Tensor& box
                          offset,
                          /*padded=*/true,
                          max_output};
-  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, tile_rows_for(boxes));
+  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, kTileRows);
   return padded_result(keep, counters);
 }
 
