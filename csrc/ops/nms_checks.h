@@ -20,13 +20,8 @@ inline void check_scalar_args(const char* op, double iou_threshold, int64_t offs
   TORCH_CHECK_VALUE(offset == 0 || offset == 1, op, ": offset must be 0 or 1, got ", offset);
 }
 
-inline void check_nms_args(const char* op, const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
-                           int64_t offset) {
-  TORCH_CHECK_VALUE(boxes.dim() == 2 && boxes.size(1) == 4, op, ": boxes must have shape (N, 4), got ",
-                    boxes.sizes());
-  TORCH_CHECK_VALUE(scores.dim() == 1, op, ": scores must have shape (N,), got ", scores.sizes());
-  TORCH_CHECK_VALUE(boxes.size(0) == scores.size(0), op, ": boxes and scores must have the same length N, got ",
-                    boxes.size(0), " boxes and ", scores.size(0), " scores");
+// Boxes of a floating dtype, scores of the same dtype, both on one device.
+inline void check_dtypes_and_devices(const char* op, const at::Tensor& boxes, const at::Tensor& scores) {
   const auto dt = boxes.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16, op,
                    ": boxes must be float16, bfloat16, float32 or float64, got ", dt);
@@ -34,6 +29,16 @@ inline void check_nms_args(const char* op, const at::Tensor& boxes, const at::Te
                    scores.scalar_type());
   TORCH_CHECK_VALUE(boxes.device() == scores.device(), op, ": boxes and scores must be on the same device, got ",
                     boxes.device(), " and ", scores.device());
+}
+
+inline void check_nms_args(const char* op, const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
+                           int64_t offset) {
+  TORCH_CHECK_VALUE(boxes.dim() == 2 && boxes.size(1) == 4, op, ": boxes must have shape (N, 4), got ",
+                    boxes.sizes());
+  TORCH_CHECK_VALUE(scores.dim() == 1, op, ": scores must have shape (N,), got ", scores.sizes());
+  TORCH_CHECK_VALUE(boxes.size(0) == scores.size(0), op, ": boxes and scores must have the same length N, got ",
+                    boxes.size(0), " boxes and ", scores.size(0), " scores");
+  check_dtypes_and_devices(op, boxes, scores);
   check_scalar_args(op, iou_threshold, offset);
   TORCH_CHECK_VALUE(boxes.size(0) <= std::numeric_limits<int32_t>::max(), op,
                     ": at most 2^31 - 1 boxes are supported, got ", boxes.size(0));
@@ -68,13 +73,7 @@ inline void check_padded_args(const char* op, const at::Tensor& boxes, const at:
   TORCH_CHECK_VALUE(scores.dim() == 2 && scores.size(0) == boxes.size(0) && scores.size(1) == boxes.size(1), op,
                     ": scores must have shape (B, N) = (", boxes.size(0), ", ", boxes.size(1), "), got ",
                     scores.sizes());
-  const auto dt = boxes.scalar_type();
-  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16, op,
-                   ": boxes must be float16, bfloat16, float32 or float64, got ", dt);
-  TORCH_CHECK_TYPE(scores.scalar_type() == dt, op, ": scores must have the dtype of boxes (", dt, "), got ",
-                   scores.scalar_type());
-  TORCH_CHECK_VALUE(boxes.device() == scores.device(), op, ": boxes and scores must be on the same device, got ",
-                    boxes.device(), " and ", scores.device());
+  check_dtypes_and_devices(op, boxes, scores);
   if (idxs.has_value()) {
     TORCH_CHECK_VALUE(idxs->sizes() == scores.sizes(), op, ": idxs must have shape (B, N) = (", boxes.size(0), ", ",
                       boxes.size(1), "), got ", idxs->sizes());

@@ -43,48 +43,18 @@ constexpr int kWordBits = 64;    // boxes per block = bits per word of a bitmask
 constexpr int kSuperBlocks = 64;  // blocks per super-block
 
 // ---- arithmetic, rounded to nearest ------------------------------------------------------------------------------
-LB_HOST_DEVICE float add_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
-  return __fadd_rn(a, b);
+#define LB_ROUNDED(device, host) return device
 #else
-  return a + b;
+#define LB_ROUNDED(device, host) return host
 #endif
-}
-LB_HOST_DEVICE double add_rn(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-LB_HOST_DEVICE float sub_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-LB_HOST_DEVICE double sub_rn(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-LB_HOST_DEVICE float mul_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-LB_HOST_DEVICE double mul_rn(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
+LB_HOST_DEVICE float add_rn(float a, float b) { LB_ROUNDED(__fadd_rn(a, b), a + b); }
+LB_HOST_DEVICE double add_rn(double a, double b) { LB_ROUNDED(__dadd_rn(a, b), a + b); }
+LB_HOST_DEVICE float sub_rn(float a, float b) { LB_ROUNDED(__fsub_rn(a, b), a - b); }
+LB_HOST_DEVICE double sub_rn(double a, double b) { LB_ROUNDED(__dsub_rn(a, b), a - b); }
+LB_HOST_DEVICE float mul_rn(float a, float b) { LB_ROUNDED(__fmul_rn(a, b), a * b); }
+LB_HOST_DEVICE double mul_rn(double a, double b) { LB_ROUNDED(__dmul_rn(a, b), a * b); }
+#undef LB_ROUNDED
 
 template <typename T>
 LB_HOST_DEVICE T min_of(T a, T b) {

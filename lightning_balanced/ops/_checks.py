@@ -61,12 +61,7 @@ def check_padded_tensor_args(
     batch, n = boxes.shape[:2]
     if scores.shape != (batch, n):
         raise ValueError(f"{op}: scores must have shape (B, N) = ({batch}, {n}), got {list(scores.shape)}")
-    if boxes.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: boxes must be float16, bfloat16, float32 or float64, got {boxes.dtype}")
-    if scores.dtype != boxes.dtype:
-        raise TypeError(f"{op}: scores must have the dtype of boxes ({boxes.dtype}), got {scores.dtype}")
-    if scores.device != boxes.device:
-        raise ValueError(f"{op}: boxes and scores must be on the same device, got {boxes.device} and {scores.device}")
+    _check_dtypes_and_devices(op, boxes, scores)
     if idxs is not None:
         if idxs.shape != (batch, n):
             raise ValueError(f"{op}: idxs must have shape (B, N) = ({batch}, {n}), got {list(idxs.shape)}")
@@ -77,6 +72,15 @@ def check_padded_tensor_args(
     _check_scalar_args(op, iou_threshold, offset)
     if max_output < 0:
         raise ValueError(f"{op}: max_output must be >= 0, got {max_output}")
+
+
+def _check_dtypes_and_devices(op: str, boxes: Tensor, scores: Tensor) -> None:
+    if boxes.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: boxes must be float16, bfloat16, float32 or float64, got {boxes.dtype}")
+    if scores.dtype != boxes.dtype:
+        raise TypeError(f"{op}: scores must have the dtype of boxes ({boxes.dtype}), got {scores.dtype}")
+    if scores.device != boxes.device:
+        raise ValueError(f"{op}: boxes and scores must be on the same device, got {boxes.device} and {scores.device}")
 
 
 def _check_scalar_args(op: str, iou_threshold: float, offset: int) -> None:
@@ -97,12 +101,7 @@ def check_tensor_args(op: str, boxes: Tensor, scores: Tensor, iou_threshold: flo
             f"{op}: boxes and scores must have the same length N, got {boxes.shape[0]} boxes "
             f"and {scores.shape[0]} scores"
         )
-    if boxes.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: boxes must be float16, bfloat16, float32 or float64, got {boxes.dtype}")
-    if scores.dtype != boxes.dtype:
-        raise TypeError(f"{op}: scores must have the dtype of boxes ({boxes.dtype}), got {scores.dtype}")
-    if scores.device != boxes.device:
-        raise ValueError(f"{op}: boxes and scores must be on the same device, got {boxes.device} and {scores.device}")
+    _check_dtypes_and_devices(op, boxes, scores)
     _check_scalar_args(op, iou_threshold, offset)
 
 
