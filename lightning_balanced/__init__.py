@@ -5,7 +5,7 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 """
 
 from lightning_balanced import _moved_modules
-from lightning_balanced.data_parallel import plan_chunk_sizes
+from lightning_balanced.data_parallel import ChunkSizes, EvenSplit, Gpu0Budget, SplitPolicy, Weights, plan_chunk_sizes
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset, coco_map, postprocess_detections
 from lightning_balanced.lr_scaling import unscale_learning_rates
 from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
@@ -19,11 +19,16 @@ _moved_modules.install()
 
 __all__ = [
     "BalancedDataParallelStrategy",
+    "ChunkSizes",
     "DistributedEvalMixin",
+    "EvenSplit",
     "GPipeStrategy",
+    "Gpu0Budget",
     "IndexedDataset",
     "LRScaledDDPStrategy",
+    "SplitPolicy",
     "SyncBatchNorm",
+    "Weights",
     "__version__",
     "coco_map",
     "plan_chunk_sizes",

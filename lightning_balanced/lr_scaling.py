@@ -16,6 +16,8 @@ from typing import Any, Literal
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_balanced.arguments import check_int, check_real
+
 __all__ = [
     "LR_SCALE_FACTOR_KEY",
     "LRScalingPolicy",
@@ -33,14 +35,6 @@ POLICIES: tuple[str, ...] = ("linear", "sqrt", "none")
 #: Key each optimizer param group carries with the factor already applied to it. It is saved with the optimizer state
 #: in every checkpoint, so a resume knows what was applied and nothing is ever scaled twice.
 LR_SCALE_FACTOR_KEY = "lr_scale_factor"
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"`{name}` must be >= 1, got {value}")
-    return int(value)
 
 
 def validate_policy(lr_scaling: str) -> LRScalingPolicy:
@@ -67,9 +61,9 @@ def effective_batch_size(per_device_batch_size: int, world_size: int, accumulate
         ValueError: an argument is < 1.
     """
     return (
-        _positive_int("per_device_batch_size", per_device_batch_size)
-        * _positive_int("world_size", world_size)
-        * _positive_int("accumulate_grad_batches", accumulate_grad_batches)
+        check_int("per_device_batch_size", per_device_batch_size, minimum=1)
+        * check_int("world_size", world_size, minimum=1)
+        * check_int("accumulate_grad_batches", accumulate_grad_batches, minimum=1)
     )
 
 
@@ -90,8 +84,8 @@ def lr_scale_factor(lr_scaling: str, effective_batch_size: int, reference_batch_
         TypeError: a batch size is not an integer.
     """
     policy = validate_policy(lr_scaling)
-    ratio = _positive_int("effective_batch_size", effective_batch_size) / _positive_int(
-        "reference_batch_size", reference_batch_size
+    ratio = check_int("effective_batch_size", effective_batch_size, minimum=1) / check_int(
+        "reference_batch_size", reference_batch_size, minimum=1
     )
     return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[policy]
 
@@ -171,10 +165,10 @@ def rescale_learning_rates(optimizer: Optimizer, schedulers: Iterable[Any], fact
         float: the ratio that was applied (1.0 when nothing changed).
 
     Raises:
+        TypeError: ``factor`` is not a real number.
         ValueError: ``factor`` is not positive and finite, or the groups disagree on the stored factor.
     """
-    if not (math.isfinite(factor) and factor > 0):
-        raise ValueError(f"`factor` must be positive and finite, got {factor!r}")
+    factor = check_real("factor", factor, positive=True)
     ratio = factor / applied_lr_scale_factor(optimizer)
     if ratio != 1.0:
         for group in optimizer.param_groups:

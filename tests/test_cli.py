@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.cli import LightningBalancedCLI
+from lightning_balanced.data_parallel import SplitPolicy, even_split
 from lightning_balanced.entry_points import ENTRY_POINT_GROUP
 from tests.fake_distribution import write_distribution
 from tests.helpers import ON_CPU
@@ -48,6 +49,37 @@ STRATEGY_FORMS = {
         BalancedDataParallelStrategy,
         {"gpu0_bsz": 3},
     ),
+    "balanced_dp with a split policy by its full class path": (
+        "strategy:\n    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      split:\n"
+        "        class_path: lightning_balanced.data_parallel.split_policy.Gpu0Budget\n"
+        "        init_args:\n          gpu0_bsz: 14",
+        BalancedDataParallelStrategy,
+        {"gpu0_bsz": 14, "split": "Gpu0Budget(14)"},
+    ),
+    "balanced_dp with ChunkSizes by its exported path": (
+        "strategy:\n    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      split:\n"
+        "        class_path: lightning_balanced.ChunkSizes\n        init_args:\n          chunk_sizes: [3, 5]",
+        BalancedDataParallelStrategy,
+        {"chunk_sizes": [3, 5], "split": "ChunkSizes([3, 5])"},
+    ),
+    "balanced_dp with Weights by its class name": (
+        "strategy:\n    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      split:\n"
+        "        class_path: Weights\n        init_args:\n          weights: [2, 1]",
+        BalancedDataParallelStrategy,
+        {"weights": [2.0, 1.0], "split": "Weights([2.0, 1.0])"},
+    ),
+    "balanced_dp with EvenSplit, no init_args": (
+        "strategy:\n    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      split:\n"
+        "        class_path: lightning_balanced.data_parallel.split_policy.EvenSplit",
+        BalancedDataParallelStrategy,
+        {"gpu0_bsz": None, "split": "EvenSplit()"},
+    ),
+    "balanced_dp with a policy of the user's own": (
+        "strategy:\n    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      split:\n"
+        "        class_path: tests.test_cli.LastDeviceFirst",
+        BalancedDataParallelStrategy,
+        {"split": "LastDeviceFirst()"},
+    ),
     "LRScaledDDPStrategy by class": (
         "strategy:\n    class_path: lightning_balanced.LRScaledDDPStrategy\n"
         "    init_args:\n      lr_scaling: sqrt\n      warmup_steps: 7\n      start_method: spawn",
@@ -55,6 +87,16 @@ STRATEGY_FORMS = {
         {"lr_scaling": "sqrt", "warmup_steps": 7, "_start_method": "spawn"},
     ),
 }
+
+
+class LastDeviceFirst(SplitPolicy):
+    """A split policy of the user's own, named in a config by its class_path."""
+
+    def _plan(self, batch_size: int, num_devices: int) -> list[int]:
+        return even_split(batch_size, num_devices)[::-1]
+
+    def __repr__(self) -> str:
+        return "LastDeviceFirst()"
 
 
 @pytest.mark.parametrize("form", list(STRATEGY_FORMS))
@@ -66,8 +108,37 @@ def test_strategy_by_name_or_by_class_from_yaml(form: str, tmp_path: Path) -> No
     strategy = cli.trainer.strategy
     assert type(strategy) is expected_type
     for name, value in attributes.items():
-        assert getattr(strategy, name) == value, name
+        got = getattr(strategy, name)
+        assert (repr(got) if name == "split" else got) == value, name
     assert type(cli.model).__name__ == "BoringModel" and type(cli.datamodule).__name__ == "BoringDataModule"
+
+
+def test_split_and_a_shorthand_in_one_config_name_both(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n  strategy:\n"
+        "    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      gpu0_bsz: 3\n"
+        "      split:\n        class_path: lightning_balanced.Gpu0Budget\n        init_args:\n          gpu0_bsz: 4\n"
+    )
+    message = (
+        "`split` and `gpu0_bsz` cannot be given together: `gpu0_bsz=3` is short for `split=Gpu0Budget(3)`; give one of"
+        " them"
+    )
+    with pytest.raises(ValueError) as info:
+        LightningBalancedCLI(args=["--config", str(config), *BORING], run=False)
+    # jsonargparse lists the strategy's error among those of the union `str | Strategy`, one per line.
+    assert message in [line.strip().removeprefix("- ") for line in str(info.value).splitlines()]
+
+
+def test_the_strategy_help_lists_the_split_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(
+        capsys,
+        lambda: LightningBalancedCLI(
+            args=["fit", "--trainer.strategy.help", "lightning_balanced.BalancedDataParallelStrategy"]
+        ),
+    )
+    assert "--trainer.strategy.splitSPLIT" in text
+    assert "knownsubclasses:lightning_balanced.EvenSplit,lightning_balanced.Gpu0Budget," in text
 
 
 def _help(capsys: pytest.CaptureFixture[str], run: Any) -> str:
@@ -83,7 +154,7 @@ def test_fit_help_lists_the_strategy_names_and_arguments(capsys: pytest.CaptureF
     names = text.split("Registerednames:")[1].split(".")[0].split(",")
     assert {"balanced_dp", "ddp_lr_linear", "ddp_lr_sqrt", "ddp_spawn_lr_sqrt", "gpipe", "ddp", "fsdp"} <= set(names)
     assert (
-        "BalancedDataParallelStrategy(gpu0_bsz=None,chunk_sizes=None,weights=None,loss_reduction='mean',"
+        "BalancedDataParallelStrategy(split=None,gpu0_bsz=None,chunk_sizes=None,weights=None,loss_reduction='mean',"
         "sync_batchnorm=False)" in text
     )
     assert "GPipeStrategy(balance=None,chunks=1,checkpoint='except_last',deferred_batch_norm=True," in text
@@ -148,6 +219,10 @@ def test_a_third_party_plugins_strategy_name_resolves_in_the_cli(
 # What each example config must show in its output: the strategy at work and the job's final line.
 EXPECTED_OUTPUT = {
     "digits_balanced_dp.yaml": ["balanced_dp: a batch of 64 is split over 2 devices as [16, 48]", "final: val_acc="],
+    "digits_balanced_dp_split.yaml": [
+        "balanced_dp: a batch of 64 is split over 3 devices as [32, 16, 16]",
+        "final: val_acc=",
+    ],
     "digits_ddp_lr_sqrt.yaml": ["lr scaling (sqrt): factor 1.41421 from world_size 2", "final: val_acc="],
     "detection_ddp_lr_linear.yaml": [
         "lr scaling (linear): factor 2 from world_size 2",

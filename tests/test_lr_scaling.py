@@ -23,6 +23,7 @@ from lightning_balanced.lr_scaling import (
     unscale_learning_rates,
     warmup_multiplier,
 )
+from tests.helpers import whole_message
 
 # Scaling multiplies every learning-rate quantity once; a schedule then does the same float operations on scaled
 # inputs, so the scaled trajectory equals factor x the unscaled one up to a few ulps (relative 1e-12 is generous).
@@ -213,13 +214,42 @@ def test_warmup_rises_linearly_from_the_base_to_the_scaled_lr(step: int, warmup:
     ("call", "error", "match"),
     [
         (lambda: lr_scale_factor("cubic", 8, 4), ValueError, "lr_scaling"),
-        (lambda: lr_scale_factor("linear", 8, 0), ValueError, "reference_batch_size"),
-        (lambda: lr_scale_factor("linear", 0, 8), ValueError, "effective_batch_size"),
-        (lambda: lr_scale_factor("linear", 8, 2.5), TypeError, "reference_batch_size"),
-        (lambda: effective_batch_size(8, 0, 1), ValueError, "world_size"),
-        (lambda: effective_batch_size(8, 2, 0), ValueError, "accumulate_grad_batches"),
-        (lambda: rescale_learning_rates(_optimizer(), [], 0.0), ValueError, "factor"),
-        (lambda: rescale_learning_rates(_optimizer(), [], float("nan")), ValueError, "factor"),
+        (
+            lambda: lr_scale_factor("linear", 8, 0),
+            ValueError,
+            whole_message("`reference_batch_size` must be >= 1, got 0"),
+        ),
+        (
+            lambda: lr_scale_factor("linear", 0, 8),
+            ValueError,
+            whole_message("`effective_batch_size` must be >= 1, got 0"),
+        ),
+        (
+            lambda: lr_scale_factor("linear", 8, 2.5),
+            TypeError,
+            whole_message("`reference_batch_size` must be an integer, got 2.5 of type float"),
+        ),
+        (lambda: effective_batch_size(8, 0, 1), ValueError, whole_message("`world_size` must be >= 1, got 0")),
+        (
+            lambda: effective_batch_size(8, 2, 0),
+            ValueError,
+            whole_message("`accumulate_grad_batches` must be >= 1, got 0"),
+        ),
+        (
+            lambda: rescale_learning_rates(_optimizer(), [], 0.0),
+            ValueError,
+            whole_message("`factor` must be positive and finite, got 0.0"),
+        ),
+        (
+            lambda: rescale_learning_rates(_optimizer(), [], float("nan")),
+            ValueError,
+            whole_message("`factor` must be positive and finite, got nan"),
+        ),
+        (
+            lambda: rescale_learning_rates(_optimizer(), [], "2"),
+            TypeError,
+            whole_message("`factor` must be a real number, got '2' of type str"),
+        ),
     ],
 )
 def test_bad_input_raises_naming_the_argument(call: Callable[[], Any], error: type[Exception], match: str) -> None:

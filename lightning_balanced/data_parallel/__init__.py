@@ -1,4 +1,4 @@
-"""The device-generic data-parallel core: ``plan_chunk_sizes`` → ``scatter`` → ``replicate`` → ``parallel_apply`` →
+"""The device-generic data-parallel core: a split policy's plan → ``scatter`` → ``replicate`` → ``parallel_apply`` →
 ``gather``.
 
 Each step is a function of its own. On CUDA the steps are torch's own ops (``Scatter`` with explicit chunk sizes,
@@ -12,11 +12,26 @@ from lightning_balanced.data_parallel.gather import gather
 from lightning_balanced.data_parallel.parallel_apply import parallel_apply
 from lightning_balanced.data_parallel.replicate import check_replicable, replicate
 from lightning_balanced.data_parallel.scatter import infer_batch_size, scatter
-from lightning_balanced.data_parallel.split_policy import plan_chunk_sizes, split_policy
+from lightning_balanced.data_parallel.split_policy import (
+    ChunkSizes,
+    EvenSplit,
+    Gpu0Budget,
+    SplitPolicy,
+    Weights,
+    even_split,
+    plan_chunk_sizes,
+    split_policy,
+)
 from lightning_balanced.data_parallel.virtual_device import virtual_devices
 
 __all__ = [
+    "ChunkSizes",
+    "EvenSplit",
+    "Gpu0Budget",
+    "SplitPolicy",
+    "Weights",
     "check_replicable",
+    "even_split",
     "gather",
     "infer_batch_size",
     "parallel_apply",

@@ -11,7 +11,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.parallel._functions import Gather
 
-__all__ = ["gather"]
+__all__ = ["chunk_weights", "gather"]
 
 
 def _is_namedtuple(obj: object) -> bool:
@@ -54,6 +54,20 @@ def _is_per_sample_list(outputs: Sequence[Any], chunk_sizes: Sequence[int]) -> b
     return not batched or not any(outputs)
 
 
+def chunk_weights(chunk_sizes: Sequence[int], loss_reduction: Literal["mean", "sum"] = "mean") -> list[float]:
+    """The weight of each replica's 0-dim floating output (its loss) in the batch's: what :func:`gather` applies.
+
+    ``"mean"`` (each replica returns the mean over its chunk): the chunk's share of the batch, so the weighted sum is
+    the batch mean; ``"sum"`` (each returns a sum), or a batch of 0 samples: ``1`` each. balanced_dp's manual
+    optimization weights each replica's loss with the same numbers, so ``manual_backward`` sees the loss
+    :func:`gather` returns.
+    """
+    total = sum(chunk_sizes)
+    if loss_reduction == "mean" and total > 0:
+        return [size / total for size in chunk_sizes]
+    return [1.0] * len(chunk_sizes)
+
+
 def gather(
     outputs: Sequence[Any],
     target_device: torch.device,
@@ -90,12 +104,7 @@ def gather(
     """
     if len(chunk_sizes) != len(outputs):
         raise ValueError(f"`chunk_sizes` has {len(chunk_sizes)} entries for {len(outputs)} outputs; they must match")
-    total = sum(chunk_sizes)
-    if loss_reduction == "mean" and total > 0:
-        weights = [size / total for size in chunk_sizes]
-    else:
-        weights = [1.0] * len(chunk_sizes)
-    return _gather(outputs, target_device, chunk_sizes, weights)
+    return _gather(outputs, target_device, chunk_sizes, chunk_weights(chunk_sizes, loss_reduction))
 
 
 def _gather(outputs: Sequence[Any], device: torch.device, sizes: Sequence[int], weights: Sequence[float]) -> Any:

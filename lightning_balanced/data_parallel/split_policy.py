@@ -1,34 +1,43 @@
-"""How one batch is split over the devices of a single process: the chunk plan."""
+"""How one batch is split over the devices of a single process: the split policies and the chunk plan.
+
+``BalancedDataParallelStrategy(split=...)`` takes one of :class:`EvenSplit`, :class:`Gpu0Budget`, :class:`ChunkSizes`
+and :class:`Weights`, or a policy of your own: one subclass of :class:`SplitPolicy`, in any module.
+"""
 
 from __future__ import annotations
 
 import math
-import numbers
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
+
+from lightning_balanced.arguments import check_int, check_real
 
 __all__ = [
+    "ChunkSizes",
     "EvenSplit",
-    "ExplicitChunkSizes",
     "Gpu0Budget",
     "SplitPolicy",
-    "WeightedSplit",
+    "Weights",
+    "even_split",
     "plan_chunk_sizes",
     "split_policy",
 ]
 
 
-def _check_count(name: str, value: object, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be an integer, got {value!r} of type {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}, got {value}")
-    return int(value)
+def even_split(total: int, num_parts: int) -> list[int]:
+    """Split ``total`` into ``num_parts`` sizes that differ by at most one, the larger ones first.
 
+    ``even_split(10, 4) == [3, 3, 2, 2]``; ``even_split(2, 4) == [1, 1, 0, 0]``.
 
-def _even_split(total: int, num_parts: int) -> list[int]:
-    """Sizes that differ by at most one; the larger ones come first."""
+    Raises:
+        TypeError: an argument is not an integer.
+        ValueError: ``total < 0`` or ``num_parts < 1``.
+    """
+    total = check_int("total", total, minimum=0)
+    num_parts = check_int("num_parts", num_parts, minimum=1)
     unit, remainder = divmod(total, num_parts)
     return [unit + 1 if i < remainder else unit for i in range(num_parts)]
 
@@ -52,41 +61,93 @@ def proportional_split(total: int, weights: Sequence[float]) -> list[int]:
 
 
 class SplitPolicy(ABC):
-    """How every batch is split over the devices: one subclass per option, each holding all of its rules.
+    """How every batch is split over the devices: subclass it for a new rule, one class with all of its rules.
 
-    A policy is checked when it is made; :meth:`plan` is pure and gives the same answer in every loop (fit, validate,
-    test, predict) for the same batch size. A batch of 0 samples is planned as ``0`` on every device.
+    A policy implements :meth:`_plan` and nothing else is required. The strategy
+    (``BalancedDataParallelStrategy(split=policy)``) calls, on its main thread:
+
+    * :meth:`check_devices` once at setup, so a policy that cannot serve the device count fails before the first step;
+    * :meth:`plan` for every batch of every loop (fit, validate, test, predict), before the batch is scattered;
+    * :meth:`observe` after every training step, with the time each device took, only when the policy overrides it.
+
+    So a policy that learns (say, one that measures each device's speed and re-plans) is still one class: it overrides
+    :meth:`observe` to record, and its :meth:`_plan` answers from what it recorded. The policies here are pure: the
+    same answer in every loop for the same batch size. Check the settings in ``__init__`` (see
+    :mod:`lightning_balanced.arguments`), so a bad one fails where it is written; give ``__str__`` (the setting as
+    the user wrote it, quoted in errors) and ``__repr__``.
     """
 
     @abstractmethod
-    def _plan(self, batch_size: int, num_devices: int) -> list[int]: ...
+    def _plan(self, batch_size: int, num_devices: int) -> list[int]:
+        """The chunk sizes: ``num_devices`` non-negative ints summing to ``batch_size`` (both checked by :meth:`plan`).
+
+        ``batch_size`` (>= 0) and ``num_devices`` (>= 1) are plain ints, already checked, and :meth:`check_devices`
+        has passed. A device planned ``0`` samples is left out of that step.
+        """
 
     def check_devices(self, num_devices: int) -> None:  # noqa: B027 (most policies serve any device count)
         """Raise ``ValueError`` when the policy cannot serve ``num_devices`` devices (a per-device list's length)."""
 
+    def observe(self, chunk_sizes: list[int], seconds: list[float]) -> None:  # noqa: B027 (most policies do not learn)
+        """Learn from a training step that ran: ``seconds[i]`` is how long device ``i`` took for ``chunk_sizes[i]``.
+
+        Both lists have one entry per device: ``chunk_sizes`` is what :meth:`plan` answered for the step, and a device
+        planned ``0`` samples has ``0.0`` seconds. The time is that of the step method (``training_step``: the
+        forward pass and the loss) on the device, taken with CUDA events on the replica's stream on a GPU (the host
+        waits for the step's forward pass to read them) and with the host's clock on the CPU; the backward pass runs
+        later, for all replicas at once, and is not in it. The strategy times the steps only for a policy that
+        overrides this method: the others cost nothing.
+        """
+
     def plan(self, batch_size: int, num_devices: int) -> list[int]:
-        """The chunk sizes, one per device, for a batch of ``batch_size`` samples; see :func:`plan_chunk_sizes`."""
-        batch_size = _check_count("batch_size", batch_size)
-        num_devices = _check_count("num_devices", num_devices, minimum=1)
+        """The chunk sizes, one per device, for a batch of ``batch_size`` samples; see :func:`plan_chunk_sizes`.
+
+        Checks the arguments and :meth:`check_devices`, then asks :meth:`_plan` and checks its answer, so a policy's
+        mistake fails here, naming the policy, and not in the scatter.
+        """
+        batch_size = check_int("batch_size", batch_size, minimum=0)
+        num_devices = check_int("num_devices", num_devices, minimum=1)
         self.check_devices(num_devices)
-        return self._plan(batch_size, num_devices)
+        sizes = self._plan(batch_size, num_devices)
+        if (
+            len(sizes) != num_devices
+            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sizes)
+            or sum(sizes) != batch_size
+        ):
+            raise ValueError(
+                f"{self!r} planned {sizes} for a batch of {batch_size} over {num_devices} devices: a plan must be"
+                f" {num_devices} non-negative ints summing to {batch_size}"
+            )
+        return list(sizes)
 
 
 class EvenSplit(SplitPolicy):
-    """Sizes that differ by at most one, the larger chunks on the lower device indices."""
+    """Sizes that differ by at most one, the larger chunks on the lower device indices (:func:`even_split`)."""
 
     def _plan(self, batch_size: int, num_devices: int) -> list[int]:
-        return _even_split(batch_size, num_devices)
+        return even_split(batch_size, num_devices)
 
     def __str__(self) -> str:
         return "an even split"
 
+    def __repr__(self) -> str:
+        return "EvenSplit()"
+
 
 class Gpu0Budget(SplitPolicy):
-    """Device 0 takes at most ``gpu0_bsz`` samples (and never more than an even share); the rest is split evenly."""
+    """Device 0 takes at most ``gpu0_bsz`` samples (and never more than an even share); the rest is split evenly.
+
+    Device 0 takes ``min(gpu0_bsz, batch_size // num_devices)``, so a budget larger than the batch (a short last batch,
+    a larger validation batch) is never an error; the rest is split evenly over devices ``1..num_devices-1``, the
+    remainder going one sample each to devices 1, 2, ... (never to device 0). ``0`` leaves device 0 out (it only
+    gathers). On a single device the budget must hold the batch.
+
+    Args:
+        gpu0_bsz (int): the most samples device 0 takes per batch, >= 0.
+    """
 
     def __init__(self, gpu0_bsz: int) -> None:
-        self.gpu0_bsz = _check_count("gpu0_bsz", gpu0_bsz)
+        self.gpu0_bsz = check_int("gpu0_bsz", gpu0_bsz, minimum=0)
 
     def _plan(self, batch_size: int, num_devices: int) -> list[int]:
         if num_devices == 1:
@@ -97,14 +158,23 @@ class Gpu0Budget(SplitPolicy):
                 )
             return [batch_size]
         first = min(self.gpu0_bsz, batch_size // num_devices)
-        return [first, *_even_split(batch_size - first, num_devices - 1)]
+        return [first, *even_split(batch_size - first, num_devices - 1)]
 
     def __str__(self) -> str:
         return f"gpu0_bsz={self.gpu0_bsz}"
 
+    def __repr__(self) -> str:
+        return f"Gpu0Budget({self.gpu0_bsz})"
 
-class ExplicitChunkSizes(SplitPolicy):
-    """The given sizes for a batch of their sum; a batch of another size in the same proportions."""
+
+class ChunkSizes(SplitPolicy):
+    """The given sizes for a batch of their sum; a batch of another size in the same proportions.
+
+    Args:
+        chunk_sizes (Sequence[int]): samples per device, one non-negative entry per device, not all zero. A batch of
+            another size than their sum (the last one, or another loop's) is split in the same proportions with
+            largest-remainder rounding (:func:`proportional_split`).
+    """
 
     def __init__(self, chunk_sizes: Sequence[int]) -> None:
         self.chunk_sizes = validate_chunk_sizes(chunk_sizes, None)
@@ -121,9 +191,17 @@ class ExplicitChunkSizes(SplitPolicy):
     def __str__(self) -> str:
         return f"chunk_sizes={self.chunk_sizes}"
 
+    def __repr__(self) -> str:
+        return f"ChunkSizes({self.chunk_sizes})"
 
-class WeightedSplit(SplitPolicy):
-    """Sizes proportional to per-device weights, rounded by largest remainder (ties to the lower device index)."""
+
+class Weights(SplitPolicy):
+    """Sizes proportional to per-device weights, rounded by largest remainder (ties to the lower device index).
+
+    Args:
+        weights (Sequence[float]): relative capacity per device (e.g. the memory of mixed GPUs), one positive finite
+            number per device.
+    """
 
     def __init__(self, weights: Sequence[float]) -> None:
         self.weights = validate_weights(weights, None)
@@ -138,28 +216,72 @@ class WeightedSplit(SplitPolicy):
     def __str__(self) -> str:
         return f"weights={self.weights}"
 
+    def __repr__(self) -> str:
+        return f"Weights({self.weights})"
+
+
+#: Each shorthand argument of :func:`split_policy` and the policy it stands for.
+_SHORTHANDS: dict[str, Any] = {"gpu0_bsz": Gpu0Budget, "chunk_sizes": ChunkSizes, "weights": Weights}
+
+
+#: The policies' former names, kept (with a ``DeprecationWarning``) until 0.3: old name -> the class.
+_DEPRECATED_NAMES: dict[str, type[SplitPolicy]] = {"ExplicitChunkSizes": ChunkSizes, "WeightedSplit": Weights}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED_NAMES:
+        new = _DEPRECATED_NAMES[name]
+        warnings.warn(
+            f"`{__name__}.{name}` is deprecated and will be removed in 0.3: use `{new.__name__}` (the same class)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return new
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def split_policy(
-    gpu0_bsz: int | None = None, chunk_sizes: Sequence[int] | None = None, weights: Sequence[float] | None = None
+    gpu0_bsz: int | None = None,
+    chunk_sizes: Sequence[int] | None = None,
+    weights: Sequence[float] | None = None,
+    *,
+    split: SplitPolicy | None = None,
 ) -> SplitPolicy:
-    """The policy for at most one of ``gpu0_bsz``, ``chunk_sizes`` and ``weights`` (none: an even split).
+    """The policy ``split``, or the one of the shorthands ``gpu0_bsz``, ``chunk_sizes``, ``weights`` (none: even).
+
+    ``gpu0_bsz=14`` is short for ``split=Gpu0Budget(14)``, ``chunk_sizes=[...]`` for ``split=ChunkSizes([...])``,
+    ``weights=[...]`` for ``split=Weights([...])``, and nothing for ``split=EvenSplit()``. At most one of the four may
+    be given.
 
     Raises:
-        TypeError: a size is not an integer, or a weight not a real number.
+        TypeError: ``split`` is not a :class:`SplitPolicy`, a size is not an integer, or a weight not a real number.
         ValueError: more than one option, a negative size, ``chunk_sizes`` all zero, a weight that is not positive
             and finite.
     """
     options = (("gpu0_bsz", gpu0_bsz), ("chunk_sizes", chunk_sizes), ("weights", weights))
-    given = [name for name, value in options if value is not None]
+    given = [(name, value) for name, value in options if value is not None]
     if len(given) > 1:
-        raise ValueError(f"Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got {' and '.join(given)}")
-    if gpu0_bsz is not None:
-        return Gpu0Budget(gpu0_bsz)
-    if chunk_sizes is not None:
-        return ExplicitChunkSizes(chunk_sizes)
-    if weights is not None:
-        return WeightedSplit(weights)
-    return EvenSplit()
+        raise ValueError(
+            f"Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got {' and '.join(n for n, _ in given)}"
+        )
+    if split is not None:
+        if given:
+            name, value = given[0]
+            raise ValueError(
+                f"`split` and `{name}` cannot be given together: `{name}={value!r}` is short for"
+                f" `split={_SHORTHANDS[name].__name__}({value!r})`; give one of them"
+            )
+        if not isinstance(split, SplitPolicy):
+            raise TypeError(
+                "`split` must be a SplitPolicy (EvenSplit(), Gpu0Budget(...), ChunkSizes([...]), Weights([...]) or a"
+                f" subclass of your own), got {split!r} of type {type(split).__name__}"
+            )
+        return split
+    if not given:
+        return EvenSplit()
+    name, value = given[0]
+    policy: SplitPolicy = _SHORTHANDS[name](value)
+    return policy
 
 
 def plan_chunk_sizes(
@@ -172,9 +294,10 @@ def plan_chunk_sizes(
 ) -> list[int]:
     """Plan how many samples of a batch each device processes.
 
-    This is the one place the split is decided: ``balanced_dp`` calls it (through :func:`split_policy`) for every
-    batch of every loop. At most one of ``gpu0_bsz``, ``chunk_sizes`` and ``weights`` may be given. With none, the
-    batch is split evenly (sizes differ by at most one, the larger chunks on the lower device indices).
+    The policy's rule as a function: ``plan_chunk_sizes(b, n, gpu0_bsz=14) == Gpu0Budget(14).plan(b, n)``, what
+    ``balanced_dp`` asks its policy for every batch of every loop. At most one of ``gpu0_bsz``, ``chunk_sizes`` and
+    ``weights`` may be given (:func:`split_policy`). With none, the batch is split evenly (sizes differ by at most
+    one, the larger chunks on the lower device indices).
 
     Args:
         batch_size (int): number of samples in the batch, >= 0. A batch of 0 is planned as ``0`` on every device.
@@ -215,7 +338,7 @@ def validate_chunk_sizes(chunk_sizes: Sequence[int], num_devices: int | None) ->
     """
     if isinstance(chunk_sizes, (str, bytes)) or not isinstance(chunk_sizes, Sequence):
         raise TypeError(f"`chunk_sizes` must be a sequence of integers, got {chunk_sizes!r}")
-    sizes = [_check_count(f"chunk_sizes[{i}]", size) for i, size in enumerate(chunk_sizes)]
+    sizes = [check_int(f"chunk_sizes[{i}]", size, minimum=0) for i, size in enumerate(chunk_sizes)]
     if num_devices is not None and len(sizes) != num_devices:
         raise ValueError(f"`chunk_sizes` needs one entry per device ({num_devices}), got {len(sizes)}: {sizes}")
     if not any(sizes):
@@ -232,13 +355,7 @@ def validate_weights(weights: Sequence[float], num_devices: int | None) -> list[
     """
     if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
         raise TypeError(f"`weights` must be a sequence of positive numbers, got {weights!r}")
-    values: list[float] = []
-    for i, weight in enumerate(weights):
-        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
-            raise TypeError(f"`weights[{i}]` must be a real number, got {weight!r}")
-        if not (math.isfinite(weight) and weight > 0):
-            raise ValueError(f"`weights[{i}]` must be positive and finite, got {weight!r}")
-        values.append(float(weight))
+    values = [check_real(f"weights[{i}]", weight, positive=True) for i, weight in enumerate(weights)]
     if not values:
         raise ValueError("`weights` must give at least one device a weight, got []")
     if num_devices is not None and len(values) != num_devices:

@@ -16,7 +16,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from lightning_balanced.evaluation.detection import check_boxes, check_real
+from lightning_balanced.arguments import check_real
+from lightning_balanced.evaluation.detection import check_boxes
 
 __all__ = ["coco_map"]
 
@@ -89,10 +90,7 @@ def _check_thresholds(name: str, values: Sequence[float] | None) -> list[float] 
         return None
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
         raise ValueError(f"`{name}` must be a non-empty sequence of numbers in [0, 1], got {values!r}")
-    out = [check_real(name, v) for v in values]
-    if any(not 0.0 <= v <= 1.0 for v in out):
-        raise ValueError(f"`{name}` must hold numbers in [0, 1], got {values!r}")
-    return out
+    return [check_real(f"{name}[{i}]", v, minimum=0, maximum=1) for i, v in enumerate(values)]
 
 
 def coco_map(

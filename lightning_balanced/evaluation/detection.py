@@ -25,16 +25,15 @@ once, so the mAP is that of a single process on the whole evaluation set, on eve
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from numbers import Real
 
 import torch
 from torch import Tensor
 
+from lightning_balanced.arguments import check_real
 from lightning_balanced.ops import batched_nms, batched_nms_padded
 
-__all__ = ["check_boxes", "check_real", "postprocess_detections"]
+__all__ = ["check_boxes", "postprocess_detections"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTEGER_KEYS, _FLOAT_KEYS = ("labels", "iscrowd"), ("scores", "area")  # per-box entries besides "boxes"
@@ -65,16 +64,6 @@ def check_boxes(item: Mapping[str, object], keys: tuple[str, ...], name: Callabl
         if (key == "boxes" or key in _FLOAT_KEYS) and value.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name(key)} must be float16, bfloat16, float32 or float64, got {value.dtype}")
     return tensors
-
-
-def check_real(name: str, value: object) -> float:
-    """``value`` as a float, or a ``TypeError``/``ValueError`` naming the argument ``name`` (not a real, NaN)."""
-    if isinstance(value, bool) or not isinstance(value, Real):
-        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}")
-    number = float(value)
-    if math.isnan(number):
-        raise ValueError(f"`{name}` must not be NaN")
-    return number
 
 
 def postprocess_detections(
@@ -153,7 +142,7 @@ def postprocess_detections(
     for name, tensor in (("boxes", boxes), ("scores", scores)):
         if not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"`{name}` must be finite (no NaN or infinity)")
-    threshold = check_real("score_threshold", score_threshold)
+    threshold = check_real("score_threshold", score_threshold, finite=False)
     _check_max_detections(max_detections)
 
     candidates = torch.nonzero(scores > threshold).flatten()  # ascending: ties stay ordered by original index
@@ -192,7 +181,7 @@ def _postprocess_batch(
                 f"`{name}` must have shape (B, N) = {tuple(boxes.shape[:2])} with (B, N, 4) boxes, "
                 f"got {tuple(value.shape)}"
             )
-    threshold = check_real("score_threshold", score_threshold)
+    threshold = check_real("score_threshold", score_threshold, finite=False)
     _check_max_detections(max_detections)
     # scores at or below the threshold become padding (-inf); NaN stays NaN, so the image is reported as -1
     candidates = scores.masked_fill(scores <= threshold, float("-inf"))

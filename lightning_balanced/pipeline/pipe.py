@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_balanced.arguments import check_int
 from lightning_balanced.data_parallel import infer_batch_size
 from lightning_balanced.data_parallel.stream_order import record_on
 from lightning_balanced.data_parallel.virtual_device import VirtualDeviceMode
@@ -41,12 +42,8 @@ Balancer = Callable[["Pipe", Any], Sequence[int]]
 
 
 def validate_chunks(chunks: object) -> int:
-    """``chunks`` as an int >= 1, or ``TypeError``/``ValueError`` naming it."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int):
-        raise TypeError(f"`chunks` must be an int (the number of micro-batches), got {type(chunks).__name__}")
-    if chunks < 1:
-        raise ValueError(f"`chunks` must be at least 1 (the number of micro-batches), got {chunks}")
-    return chunks
+    """``chunks`` (the number of micro-batches) as an int >= 1, or ``TypeError``/``ValueError`` naming it."""
+    return check_int("chunks", chunks, minimum=1)
 
 
 def validate_checkpoint(checkpoint: object) -> CheckpointMode:

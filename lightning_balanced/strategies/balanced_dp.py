@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from lightning_balanced.data_parallel import (
     virtual_devices,
 )
 from lightning_balanced.data_parallel.barrier import ReplicaBarrier
+from lightning_balanced.data_parallel.gather import chunk_weights
 from lightning_balanced.data_parallel.replica_batchnorm import (
     SyncBatchNormLayers,
     convert_replica_batchnorm,
@@ -43,7 +45,7 @@ from lightning_balanced.data_parallel.replica_context import (
     replay_logs,
     share_metrics,
 )
-from lightning_balanced.data_parallel.split_policy import ExplicitChunkSizes, Gpu0Budget, WeightedSplit
+from lightning_balanced.data_parallel.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 _REPORT_MEMORY_AFTER_STEPS = 3
@@ -53,12 +55,45 @@ _REPLICA_TIMEOUT_S = 120.0
 _BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when training"
 
 
+class _ReplicaTimes:
+    """How long each replica's step method took, for a split policy that observes (:meth:`SplitPolicy.observe`).
+
+    On CUDA, two events on the replica's stream (current in its thread), read after the step; elsewhere the host clock.
+    """
+
+    def __init__(self, count: int, on_cuda: bool) -> None:
+        self._on_cuda = on_cuda
+        self._marks: list[Any] = [None] * count
+
+    @contextmanager
+    def measure(self, index: int) -> Iterator[None]:
+        if self._on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._marks[index] = (start, end)
+        else:
+            began = time.perf_counter()
+            yield
+            self._marks[index] = time.perf_counter() - began
+
+    def seconds(self) -> list[float]:
+        """Each replica's time in seconds; on CUDA the host waits here for the replicas' step methods to finish."""
+        if not self._on_cuda:
+            return list(self._marks)
+        for _, end in self._marks:
+            end.synchronize()
+        return [start.elapsed_time(end) / 1000.0 for start, end in self._marks]
+
+
 @dataclass(frozen=True)
 class _StepCall:
     name: str
     inference_mode: bool
     barrier: ReplicaBarrier
     replica_index: int
+    times: _ReplicaTimes | None = None
 
 
 class _StepDispatcher(Module):
@@ -87,7 +122,10 @@ class _StepDispatcher(Module):
     def forward(self, call: _StepCall, *args: Any, **kwargs: Any) -> Any:
         try:
             with torch.inference_mode(call.inference_mode), self._step_context(call.name):
-                return getattr(self.module, call.name)(*args, **kwargs)
+                if call.times is None:
+                    return getattr(self.module, call.name)(*args, **kwargs)
+                with call.times.measure(call.replica_index):
+                    return getattr(self.module, call.name)(*args, **kwargs)
         except BaseException as err:
             call.barrier.abort(call.replica_index, err)  # releases the replicas waiting for this one
             raise
@@ -107,6 +145,7 @@ class BalancedDataParallel(SingleProcess):
         gpu0_bsz: int | None = None,
         chunk_sizes: Sequence[int] | None = None,
         weights: Sequence[float] | None = None,
+        split: SplitPolicy | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         sync_batchnorm: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -125,7 +164,9 @@ class BalancedDataParallel(SingleProcess):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
         if not isinstance(sync_batchnorm, bool):
             raise TypeError(f"`sync_batchnorm` must be a bool, got {sync_batchnorm!r}")
-        self.split_policy = split_policy(gpu0_bsz, chunk_sizes, weights)
+        self.split = split_policy(gpu0_bsz, chunk_sizes, weights, split=split)
+        # Only a policy that learns from the steps (overrides `observe`) has its replicas timed.
+        self._split_observes = type(self.split).observe is not SplitPolicy.observe
         self.loss_reduction = loss_reduction
         self.sync_batchnorm = sync_batchnorm
         self._batchnorm_synced = False
@@ -141,18 +182,18 @@ class BalancedDataParallel(SingleProcess):
 
     @property
     def gpu0_bsz(self) -> int | None:
-        """The ``gpu0_bsz`` option, or ``None`` when the split uses another."""
-        return self.split_policy.gpu0_bsz if isinstance(self.split_policy, Gpu0Budget) else None
+        """The ``gpu0_bsz`` of a :class:`Gpu0Budget` split, or ``None`` when the split is another policy."""
+        return self.split.gpu0_bsz if isinstance(self.split, Gpu0Budget) else None
 
     @property
     def chunk_sizes(self) -> list[int] | None:
-        """The ``chunk_sizes`` option, or ``None`` when the split uses another."""
-        return self.split_policy.chunk_sizes if isinstance(self.split_policy, ExplicitChunkSizes) else None
+        """The ``chunk_sizes`` of a :class:`ChunkSizes` split, or ``None`` when the split is another policy."""
+        return self.split.chunk_sizes if isinstance(self.split, ChunkSizes) else None
 
     @property
     def weights(self) -> list[float] | None:
-        """The ``weights`` option, or ``None`` when the split uses another."""
-        return self.split_policy.weights if isinstance(self.split_policy, WeightedSplit) else None
+        """The ``weights`` of a :class:`Weights` split, or ``None`` when the split is another policy."""
+        return self.split.weights if isinstance(self.split, Weights) else None
 
     @override
     def model_to_device(self) -> None:
@@ -165,7 +206,7 @@ class BalancedDataParallel(SingleProcess):
         assert self.parallel_devices, "parallel_devices are set by the Trainer"
         assert self.model is not None, "the LightningModule is connected before setup"
         num_devices = len(self.parallel_devices)
-        self.split_policy.check_devices(num_devices)
+        self.split.check_devices(num_devices)
         check_replicable(self.model)
         self._devices = virtual_devices(self.parallel_devices)
         # `Trainer(sync_batchnorm=True)` reaches us as `_layer_sync`, which Lightning's accelerator connector sets
@@ -224,11 +265,11 @@ class BalancedDataParallel(SingleProcess):
     def plan(self, batch_size: int) -> list[int]:
         """The chunk sizes, one per device (``0`` = left out), for a batch of ``batch_size`` samples.
 
-        The same rule in every loop: :func:`~lightning_balanced.data_parallel.plan_chunk_sizes` with this strategy's
-        option.
+        What the split policy plans (:meth:`~lightning_balanced.data_parallel.SplitPolicy.plan`); every step of every
+        loop asks it here.
         """
         assert self.parallel_devices is not None
-        return self.split_policy.plan(batch_size, len(self.parallel_devices))
+        return self.split.plan(batch_size, len(self.parallel_devices))
 
     def _data_parallel_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module, dispatcher, devices = self.lightning_module, self._dispatcher, self._devices
@@ -241,10 +282,6 @@ class BalancedDataParallel(SingleProcess):
         run = [i for i, size in enumerate(planned) if size > 0] or [0]
         chunk_sizes = [planned[i] for i in run]
         run_devices = [devices[i] for i in run]
-        if self.loss_reduction == "mean" and batch_size > 0:
-            weights = [size / batch_size for size in chunk_sizes]
-        else:
-            weights = [1.0] * len(chunk_sizes)
 
         scattered = scatter((args, kwargs), chunk_sizes, run_devices)
         # torch's replicate broadcasts from the module's device, devices[0]: replicate there even when device 0 has no
@@ -264,15 +301,20 @@ class BalancedDataParallel(SingleProcess):
             self._batchnorm_layers.attach([replica.module for replica in replicas], barrier)
         recorders = [ReplicaLogRecorder() for _ in replicas]
         manual = step_name == "training_step" and not module.automatic_optimization
+        loss_weights = chunk_weights(chunk_sizes, self.loss_reduction) if manual else []
         for i, replica in enumerate(replicas):
             replica_module = replica.module
             replica_module.log = recorders[i].log  # type: ignore[method-assign]
             share_metrics(replica_module, self._metrics, self._metric_lock)
             if manual:
-                install_manual_optimization(replica_module, module, i, barrier, weights[i])
+                install_manual_optimization(replica_module, module, i, barrier, loss_weights[i])
 
         inference_mode = torch.is_inference_mode_enabled()
-        inputs = [(_StepCall(step_name, inference_mode, barrier, i), *a) for i, (a, _) in enumerate(scattered)]
+        observed = step_name == "training_step" and self._split_observes and batch_size > 0
+        times = _ReplicaTimes(len(replicas), self.root_device.type == "cuda") if observed else None
+        inputs = [
+            (_StepCall(step_name, inference_mode, barrier, i, times), *a) for i, (a, _) in enumerate(scattered)
+        ]
         failure: BaseException | None = None
         try:
             streams = [self._streams[i] for i in run] if self._streams else None
@@ -283,6 +325,11 @@ class BalancedDataParallel(SingleProcess):
             failure = self._replica_error(wrapped, barrier, step_name, batch_size, planned, run_devices)
         if failure is not None:
             raise failure  # outside the handler: the replica's own exception, not chained to the wrapped copy
+        if times is not None:
+            seconds = [0.0] * len(planned)
+            for i, took in zip(run, times.seconds(), strict=True):
+                seconds[i] = took
+            self.split.observe(list(planned), seconds)
         replay_logs(module, recorders, chunk_sizes)
         if step_name == "training_step":
             self._report_memory()
@@ -315,7 +362,7 @@ class BalancedDataParallel(SingleProcess):
             relabelled = ValueError(
                 f"balanced_dp split a batch of {batch_size} as {planned}: a chunk of 1 sample cannot be"
                 " batch-normalized in training (BatchNorm needs more than one value per channel). Use"
-                f" `sync_batchnorm=True`, change the split ({self.split_policy}), use a batch size of at least 2 per"
+                f" `sync_batchnorm=True`, change the split ({self.split}), use a batch size of at least 2 per"
                 " device, or `drop_last=True` in the DataLoader for a short last batch."
             )
             relabelled.__cause__ = error
@@ -361,8 +408,8 @@ class BalancedDataParallel(SingleProcess):
 class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
     """Single-process data parallel over several devices, each taking a chunk of the batch you choose.
 
-    Every step, the batch is split along dim 0 by a chunk plan
-    (:func:`~lightning_balanced.data_parallel.plan_chunk_sizes`, the one rule for all four loops), the LightningModule
+    Every step, the batch is split along dim 0 by the chunk plan of the split policy (``split=``, the one rule for all
+    four loops), the LightningModule
     is replicated from the root device (``devices[0]``) to the devices that got samples, the step (``training_step``,
     ``validation_step``, ``test_step`` or ``predict_step``) runs on those replicas at once, and the outputs are gathered
     on the root device in batch order. On CUDA these are torch's
@@ -413,15 +460,26 @@ class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
       that is split.
 
     Args:
-        gpu0_bsz: the most samples device 0 takes per batch, a budget: device 0 takes
-            ``min(gpu0_bsz, batch_size // num_devices)`` and the rest is spread evenly over the other devices (the
-            classic ``BalancedDataParallel`` setting; device 0 also holds the gathered outputs). ``0`` leaves device 0
-            to gathering only. A budget above the batch size (a short last batch, a larger validation batch) is not an
-            error. On one device it must hold the batch.
-        chunk_sizes: explicit samples per device, one entry per device, for a batch of ``sum(chunk_sizes)``; a batch
-            of another size (the last one, or another loop's) is split in the same proportions.
-        weights: relative capacity per device (e.g. memory of mixed GPUs); each batch is split proportionally with
-            largest-remainder rounding.
+        split: how each batch is split over the devices, a :class:`~lightning_balanced.SplitPolicy`:
+
+            * ``EvenSplit()`` (the default): sizes that differ by at most one.
+            * ``Gpu0Budget(gpu0_bsz)``: the most samples device 0 takes per batch, a budget: device 0 takes
+              ``min(gpu0_bsz, batch_size // num_devices)`` and the rest is spread evenly over the other devices (the
+              classic ``BalancedDataParallel`` setting; device 0 also holds the gathered outputs). ``0`` leaves device
+              0 to gathering only. A budget above the batch size (a short last batch, a larger validation batch) is
+              not an error. On one device it must hold the batch.
+            * ``ChunkSizes(chunk_sizes)``: explicit samples per device, one entry per device, for a batch of
+              ``sum(chunk_sizes)``; a batch of another size (the last one, or another loop's) is split in the same
+              proportions.
+            * ``Weights(weights)``: relative capacity per device (e.g. memory of mixed GPUs); each batch is split
+              proportionally with largest-remainder rounding.
+            * a subclass of your own (see :class:`~lightning_balanced.SplitPolicy`).
+
+            In a LightningCLI config: ``split: {class_path: lightning_balanced.Gpu0Budget, init_args: {gpu0_bsz:
+            14}}``.
+        gpu0_bsz: short for ``split=Gpu0Budget(gpu0_bsz)``.
+        chunk_sizes: short for ``split=ChunkSizes(chunk_sizes)``.
+        weights: short for ``split=Weights(weights)``.
         loss_reduction: how the step's 0-dim floating outputs combine across replicas: ``"mean"`` (the step returns
             the mean over its chunk, the default) weights each by its chunk's share of the batch; ``"sum"`` (the step
             returns a sum over its chunk) adds them.
@@ -443,11 +501,12 @@ class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
     one-GPU machine. The memory report lists each replica and says which share a GPU.
 
     Raises:
-        ValueError: more than one of ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative size; weights that are not
-            positive and finite; an unknown ``loss_reduction``; an empty ``parallel_devices`` or one mixing CUDA and
-            CPU devices. At setup: ``chunk_sizes`` or ``weights`` whose length differs from the number of devices.
-        TypeError: a non-integer size or non-real weight; ``parallel_devices`` not a list of devices; at setup (or at
-            the next step, for one compiled in a hook), a compiled module.
+        ValueError: more than one of ``split``, ``gpu0_bsz``, ``chunk_sizes``, ``weights``; a negative size; weights
+            that are not positive and finite; an unknown ``loss_reduction``; an empty ``parallel_devices`` or one
+            mixing CUDA and CPU devices. At setup: ``chunk_sizes`` or ``weights`` whose length differs from the number
+            of devices.
+        TypeError: ``split`` not a ``SplitPolicy``; a non-integer size or non-real weight; ``parallel_devices`` not a
+            list of devices; at setup (or at the next step, for one compiled in a hook), a compiled module.
 
     Source: Lightning 1.9's ``DataParallelStrategy`` (removed in 2.0) and the ``BalancedDataParallel`` of
     transformer-xl, with the loss weighted by chunk size instead of an unweighted mean.

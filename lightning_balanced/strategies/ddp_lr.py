@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -17,6 +16,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_balanced.arguments import check_int
 from lightning_balanced.lr_scaling import (
     LR_SCALE_FACTOR_KEY,
     effective_batch_size,
@@ -70,17 +70,10 @@ class LRScaledDDP(_StrategyBase):
     ) -> None:
         super().__init__(**kwargs)
         self.lr_scaling = validate_policy(lr_scaling)
-        if reference_batch_size is not None:
-            if isinstance(reference_batch_size, bool) or not isinstance(reference_batch_size, numbers.Integral):
-                raise TypeError(f"`reference_batch_size` must be an integer, got {reference_batch_size!r}")
-            if reference_batch_size < 1:
-                raise ValueError(f"`reference_batch_size` must be >= 1, got {reference_batch_size}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral):
-            raise TypeError(f"`warmup_steps` must be an integer, got {warmup_steps!r}")
-        if warmup_steps < 0:
-            raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}")
-        self.reference_batch_size: int | None = reference_batch_size
-        self.warmup_steps: int = int(warmup_steps)
+        self.reference_batch_size: int | None = (
+            None if reference_batch_size is None else check_int("reference_batch_size", reference_batch_size, minimum=1)
+        )
+        self.warmup_steps: int = check_int("warmup_steps", warmup_steps, minimum=0)
         self.sync_batchnorm: bool = sync_batchnorm
         self.lr_scale_factor: float = 1.0
 

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_balanced.data_parallel import gather, infer_batch_size, scatter
+from lightning_balanced.data_parallel.gather import chunk_weights
 
 PROPERTY = settings(max_examples=60, deadline=None)
 CPU = torch.device("cpu")
@@ -399,3 +400,21 @@ def test_gradients_flow_through_the_gathered_result(sizes: list[int]) -> None:
     (((x_ref.tanh() - target) ** 2).mean() + x_ref.tanh().sum()).backward()
     # float64: the two paths differ only in summation order (~1e-16 relative); 1e-12 would still catch a wrong weight.
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "reduction", "expected"),
+    [
+        ([2, 1, 1], "mean", [0.5, 0.25, 0.25]),
+        ([2, 1, 1], "sum", [1.0, 1.0, 1.0]),
+        ([0], "mean", [1.0]),  # a batch of 0 samples: the root's one output, as it is
+        ([3], "mean", [1.0]),
+    ],
+)
+def test_chunk_weights_are_what_gather_weights_the_losses_with(
+    sizes: list[int], reduction: Any, expected: list[float]
+) -> None:
+    assert chunk_weights(sizes, reduction) == expected
+    losses = [torch.tensor(float(i + 1)) for i in range(len(sizes))]
+    gathered = gather(losses, CPU, sizes, loss_reduction=reduction)
+    assert gathered.item() == pytest.approx(sum(w * (i + 1) for i, w in enumerate(expected)))

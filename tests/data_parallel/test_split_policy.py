@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 import re
@@ -13,7 +14,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_balanced.data_parallel import plan_chunk_sizes, split_policy
+import lightning_balanced
+from lightning_balanced.data_parallel import (
+    ChunkSizes,
+    EvenSplit,
+    Gpu0Budget,
+    SplitPolicy,
+    Weights,
+    even_split,
+    plan_chunk_sizes,
+    split_policy,
+)
+from tests.helpers import raises_exactly
+
+# The module, not the function of the same name that the package `data_parallel` exports.
+split_policy_module = importlib.import_module("lightning_balanced.data_parallel.split_policy")
 
 # The planner is pure and cheap: many examples cost milliseconds.
 PROPERTY = settings(max_examples=300, deadline=None)
@@ -266,7 +281,170 @@ def test_the_policy_checks_the_device_count_and_names_its_setting() -> None:
     assert str(policy) == "chunk_sizes=[2, 3]"
     assert str(split_policy(gpu0_bsz=4)) == "gpu0_bsz=4"
     assert str(split_policy(weights=[1, 2])) == "weights=[1.0, 2.0]"
+    assert str(split_policy()) == "an even split"
     assert policy.plan(10, 2) == plan_chunk_sizes(10, 2, chunk_sizes=[2, 3]) == [4, 6]
+
+
+# --- the policy objects -----------------------------------------------------------------------------------------------
+
+POLICY_OF_OPTION = {"gpu0_bsz": Gpu0Budget, "chunk_sizes": ChunkSizes, "weights": Weights}
+
+
+@PROPERTY
+@given(any_plan())
+def test_each_shorthand_is_its_policy_object(plan: tuple[int, int, dict]) -> None:
+    batch_size, num_devices, options = plan
+    policy = next((POLICY_OF_OPTION[name](value) for name, value in options.items()), EvenSplit())
+    assert type(split_policy(**options)) is type(policy)
+    assert policy.plan(batch_size, num_devices) == plan_chunk_sizes(batch_size, num_devices, **options)
+
+
+def test_policies_show_how_they_are_made() -> None:
+    assert repr(Gpu0Budget(14)) == "Gpu0Budget(14)"
+    assert repr(ChunkSizes((4, 14, 14))) == "ChunkSizes([4, 14, 14])"
+    assert repr(Weights([24, 12])) == "Weights([24.0, 12.0])"
+    assert repr(EvenSplit()) == "EvenSplit()"
+
+
+def test_policies_are_exported_where_the_other_public_names_are() -> None:
+    for cls in (SplitPolicy, EvenSplit, Gpu0Budget, ChunkSizes, Weights):
+        assert getattr(lightning_balanced, cls.__name__) is cls
+        assert getattr(split_policy_module, cls.__name__) is cls
+        assert cls.__name__ in lightning_balanced.__all__
+    assert "even_split" in lightning_balanced.data_parallel.__all__
+
+
+@pytest.mark.parametrize(("old", "new"), [("ExplicitChunkSizes", ChunkSizes), ("WeightedSplit", Weights)])
+def test_the_former_class_names_warn_and_give_the_same_class(old: str, new: type) -> None:
+    message = (
+        f"`lightning_balanced.data_parallel.split_policy.{old}` is deprecated and will be removed in 0.3: use"
+        f" `{new.__name__}` (the same class)"
+    )
+    with pytest.warns(DeprecationWarning, match=f"^{re.escape(message)}$"):
+        assert getattr(split_policy_module, old) is new
+    assert old not in split_policy_module.__all__
+
+
+def test_an_unknown_name_of_the_module_is_still_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        split_policy_module.Nothing  # noqa: B018
+
+
+def test_split_returns_the_given_policy() -> None:
+    policy = Gpu0Budget(3)
+    assert split_policy(split=policy) is policy
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"gpu0_bsz": 14},
+            "`split` and `gpu0_bsz` cannot be given together: `gpu0_bsz=14` is short for `split=Gpu0Budget(14)`;"
+            " give one of them",
+        ),
+        (
+            {"chunk_sizes": [4, 14]},
+            "`split` and `chunk_sizes` cannot be given together: `chunk_sizes=[4, 14]` is short for"
+            " `split=ChunkSizes([4, 14])`; give one of them",
+        ),
+        (
+            {"weights": [1.0, 2.0]},
+            "`split` and `weights` cannot be given together: `weights=[1.0, 2.0]` is short for"
+            " `split=Weights([1.0, 2.0])`; give one of them",
+        ),
+    ],
+)
+def test_split_with_a_shorthand_names_both(options: dict[str, Any], message: str) -> None:
+    with raises_exactly(ValueError, message):
+        split_policy(split=EvenSplit(), **options)
+
+
+@pytest.mark.parametrize("bad", [14, [4, 14], "Gpu0Budget", Gpu0Budget])
+def test_split_must_be_a_policy(bad: Any) -> None:
+    message = (
+        "`split` must be a SplitPolicy (EvenSplit(), Gpu0Budget(...), ChunkSizes([...]), Weights([...]) or a subclass"
+        f" of your own), got {bad!r} of type {type(bad).__name__}"
+    )
+    with raises_exactly(TypeError, message):
+        split_policy(split=bad)
+
+
+def test_the_abstract_policy_cannot_be_made() -> None:
+    with pytest.raises(TypeError, match="abstract"):
+        SplitPolicy()  # type: ignore[abstract]
+
+
+class _LastDeviceFirst(SplitPolicy):
+    """A new policy is one class: the even split, with the larger chunks on the higher device indices."""
+
+    def _plan(self, batch_size: int, num_devices: int) -> list[int]:
+        return even_split(batch_size, num_devices)[::-1]
+
+    def __repr__(self) -> str:
+        return "_LastDeviceFirst()"
+
+
+def test_a_new_policy_is_one_class() -> None:
+    policy = _LastDeviceFirst()
+    assert policy.plan(10, 4) == [2, 2, 3, 3]
+    assert policy.plan(0, 2) == [0, 0]
+    policy.check_devices(5)  # serves any device count
+    policy.observe([2, 2, 3, 3], [0.1, 0.1, 0.2, 0.2])  # learns nothing, and needs to say nothing
+    with raises_exactly(ValueError, "`num_devices` must be >= 1, got 0"):
+        policy.plan(10, 0)  # the arguments are checked before the policy sees them
+
+
+class _Broken(SplitPolicy):
+    def __init__(self, answer: list[Any]) -> None:
+        self.answer = answer
+
+    def _plan(self, batch_size: int, num_devices: int) -> list[int]:
+        return self.answer
+
+    def __repr__(self) -> str:
+        return f"_Broken({self.answer})"
+
+
+@pytest.mark.parametrize("answer", [[5, 4], [5, 5, 0], [11, -1], [5.0, 5], [True, 9]])
+def test_a_wrong_plan_fails_in_plan_naming_the_policy(answer: list[Any]) -> None:
+    message = f"_Broken({answer}) planned {answer} for a batch of 10 over 2 devices: a plan must be 2 non-negative ints"
+    with raises_exactly(ValueError, message + " summing to 10"):
+        _Broken(answer).plan(10, 2)
+
+
+# --- even_split -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("total", "parts", "expected"),
+    [(10, 4, [3, 3, 2, 2]), (2, 4, [1, 1, 0, 0]), (0, 2, [0, 0]), (7, 1, [7]), (np.int64(5), np.int32(2), [3, 2])],
+)
+def test_even_split_examples_public(total: int, parts: int, expected: list[int]) -> None:
+    got = even_split(total, parts)
+    assert got == expected and all(type(size) is int for size in got)
+
+
+@PROPERTY
+@given(batch_sizes, device_counts)
+def test_even_split_is_the_even_policy(total: int, parts: int) -> None:
+    sizes = even_split(total, parts)
+    assert sizes == EvenSplit().plan(total, parts)
+    assert sum(sizes) == total and _differ_by_at_most_one_larger_first(sizes)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        ((-1, 2), ValueError, "`total` must be >= 0, got -1"),
+        ((4, 0), ValueError, "`num_parts` must be >= 1, got 0"),
+        ((4.0, 2), TypeError, "`total` must be an integer, got 4.0 of type float"),
+        ((4, True), TypeError, "`num_parts` must be an integer, got True of type bool"),
+    ],
+)
+def test_even_split_checks_its_arguments(args: tuple[Any, Any], error: type[Exception], message: str) -> None:
+    with raises_exactly(error, message):
+        even_split(*args)
 
 
 # --- errors -----------------------------------------------------------------------------------------------------------
@@ -303,8 +481,27 @@ def test_invalid_values_raise_value_error_naming_the_argument(
 
 
 def test_two_options_at_once_name_both() -> None:
-    with pytest.raises(ValueError, match=r"gpu0_bsz.*weights"):
+    with raises_exactly(
+        ValueError, "Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got gpu0_bsz and weights"
+    ):
         plan_chunk_sizes(10, 2, gpu0_bsz=2, weights=[1, 1])
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"gpu0_bsz": 2.5}, TypeError, "`gpu0_bsz` must be an integer, got 2.5 of type float"),
+        ({"gpu0_bsz": -1}, ValueError, "`gpu0_bsz` must be >= 0, got -1"),
+        ({"chunk_sizes": [5, True]}, TypeError, "`chunk_sizes[1]` must be an integer, got True of type bool"),
+        ({"chunk_sizes": [6, -1]}, ValueError, "`chunk_sizes[1]` must be >= 0, got -1"),
+        ({"weights": ["1", 1.0]}, TypeError, "`weights[0]` must be a real number, got '1' of type str"),
+        ({"weights": [1.0, 0.0]}, ValueError, "`weights[1]` must be positive and finite, got 0.0"),
+        ({"weights": [1.0, math.inf]}, ValueError, "`weights[1]` must be positive and finite, got inf"),
+    ],
+)
+def test_the_settings_messages_in_full(options: dict[str, Any], error: type[Exception], message: str) -> None:
+    with raises_exactly(error, message):
+        plan_chunk_sizes(10, 2, **options)
 
 
 @pytest.mark.parametrize("bad", [2.5, 10.0, True, "3", None])

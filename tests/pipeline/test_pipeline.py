@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe, clock_cycles, plan_micro_batches, split_costs
 from lightning_balanced.pipeline.streams import CopyStreams, copy_to_device
-from tests.helpers import CUDA_DEVICE_LISTS, RunIf
+from tests.helpers import CUDA_DEVICE_LISTS, RunIf, whole_message
 
 CPU2 = [torch.device("cpu")] * 2
 CPU3 = [torch.device("cpu")] * 3
@@ -362,8 +362,8 @@ def test_plain_batchnorm_is_not_updated_again_by_the_recomputation() -> None:
         ({"balance": [3, 0, 3]}, ValueError, "`balance` must hold"),
         ({"balance": "3,3"}, TypeError, "`balance` must be a list of ints"),
         ({"balance": [3.0, 3]}, TypeError, "`balance` must be a list of ints"),
-        ({"chunks": 0}, ValueError, "`chunks` must be at least 1"),
-        ({"chunks": 2.5}, TypeError, "`chunks` must be an int"),
+        ({"chunks": 0}, ValueError, whole_message("`chunks` must be >= 1, got 0")),
+        ({"chunks": 2.5}, TypeError, whole_message("`chunks` must be an integer, got 2.5 of type float")),
         ({"checkpoint": "sometimes"}, ValueError, "`checkpoint` must be one of"),
     ],
 )

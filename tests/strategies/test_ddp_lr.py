@@ -23,7 +23,7 @@ from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.callbacks import LRScaleFactorCheck, LRScaleFactorWarning
 from tests.distributed import run_distributed
 from tests.fake_distribution import write_distribution
-from tests.helpers import quiet_trainer
+from tests.helpers import quiet_trainer, whole_message
 
 # float64 models: the only difference between 2 ranks and one process on the concatenated batch is the summation
 # order of the gradient all_reduce and of the BN statistics, ~1e-16 relative; 1e-10 leaves a wide margin yet catches
@@ -377,10 +377,15 @@ def test_script_launchers_scale_the_lr(launcher: str, tmp_path: Path) -> None:
     ("kwargs", "error", "match"),
     [
         ({"lr_scaling": "cubic"}, ValueError, "lr_scaling"),
-        ({"reference_batch_size": 0}, ValueError, "reference_batch_size"),
-        ({"reference_batch_size": -4}, ValueError, "reference_batch_size"),
-        ({"reference_batch_size": 2.5}, TypeError, "reference_batch_size"),
-        ({"warmup_steps": -1}, ValueError, "warmup_steps"),
+        ({"reference_batch_size": 0}, ValueError, whole_message("`reference_batch_size` must be >= 1, got 0")),
+        ({"reference_batch_size": -4}, ValueError, whole_message("`reference_batch_size` must be >= 1, got -4")),
+        (
+            {"reference_batch_size": 2.5},
+            TypeError,
+            whole_message("`reference_batch_size` must be an integer, got 2.5 of type float"),
+        ),
+        ({"warmup_steps": -1}, ValueError, whole_message("`warmup_steps` must be >= 0, got -1")),
+        ({"warmup_steps": True}, TypeError, whole_message("`warmup_steps` must be an integer, got True of type bool")),
     ],
 )
 def test_bad_arguments_raise_naming_them(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import GPipeStrategy
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
-from tests.helpers import CUDA_DEVICE_LISTS, RunIf, gpu_ids, quiet_trainer, raises_exactly
+from tests.helpers import CUDA_DEVICE_LISTS, RunIf, gpu_ids, quiet_trainer, raises_exactly, whole_message
 
 MODES = ["always", "except_last", "never"]
 
@@ -248,8 +248,8 @@ def test_auto_balance_steps_equal_the_unpipelined_model(single_device_steps: lis
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"chunks": 0}, ValueError, "`chunks` must be at least 1"),
-        ({"chunks": "4"}, TypeError, "`chunks` must be an int"),
+        ({"chunks": 0}, ValueError, whole_message("`chunks` must be >= 1, got 0")),
+        ({"chunks": "4"}, TypeError, whole_message("`chunks` must be an integer, got '4' of type str")),
         ({"checkpoint": "except_first"}, ValueError, "`checkpoint` must be one of"),
         ({"balance": "fast"}, ValueError, "`balance` must be a list of ints, None or one of"),
         ({"balance": [3, -3]}, ValueError, "`balance` must hold"),
