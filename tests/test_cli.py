@@ -154,7 +154,7 @@ def test_fit_help_lists_the_strategy_names_and_arguments(capsys: pytest.CaptureF
     names = text.split("Registerednames:")[1].split(".")[0].split(",")
     assert {"balanced_dp", "ddp_lr_linear", "ddp_lr_sqrt", "ddp_spawn_lr_sqrt", "gpipe", "ddp", "fsdp"} <= set(names)
     assert (
-        "BalancedDataParallelStrategy(split=None,gpu0_bsz=None,chunk_sizes=None,weights=None,loss_reduction='mean',"
+        "BalancedDataParallelStrategy(gpu0_bsz=None,chunk_sizes=None,weights=None,split=None,loss_reduction='mean',"
         "sync_batchnorm=False)" in text
     )
     assert "GPipeStrategy(balance=None,chunks=1,checkpoint='except_last',deferred_batch_norm=True," in text
