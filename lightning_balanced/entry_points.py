@@ -10,7 +10,8 @@ Lightning's own convention::
 
 and :func:`load_strategy_plugins` puts them in Lightning's ``StrategyRegistry``; the ``lightning-balanced`` command
 (:mod:`lightning_balanced.cli`) calls it before parsing, so ``strategy: my_strategy`` resolves in a config. This
-package's own strategies are in the group too; ``import lightning_balanced`` registers them in any case.
+package's own strategies are in the group too, and only there: that table is the package's list of strategies, which
+``import lightning_balanced`` registers in any case (:mod:`lightning_balanced.strategies.registration`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ import importlib.metadata
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_balanced.strategies.registration import register_strategy
+from lightning_balanced.strategies.registration import ENTRY_POINT_GROUP, register_strategy
 
 __all__ = ["ENTRY_POINT_GROUP", "StrategyPluginWarning", "load_strategy_plugins"]
-
-ENTRY_POINT_GROUP = "lightning.pytorch.strategies"
 
 
 class StrategyPluginWarning(UserWarning):

@@ -13,7 +13,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -312,9 +311,7 @@ class BalancedDataParallel(SingleProcess):
         inference_mode = torch.is_inference_mode_enabled()
         observed = step_name == "training_step" and self._split_observes and batch_size > 0
         times = _ReplicaTimes(len(replicas), self.root_device.type == "cuda") if observed else None
-        inputs = [
-            (_StepCall(step_name, inference_mode, barrier, i, times), *a) for i, (a, _) in enumerate(scattered)
-        ]
+        inputs = [(_StepCall(step_name, inference_mode, barrier, i, times), *a) for i, (a, _) in enumerate(scattered)]
         failure: BaseException | None = None
         try:
             streams = [self._streams[i] for i in run] if self._streams else None
@@ -394,15 +391,6 @@ class BalancedDataParallel(SingleProcess):
             together = f" (shared by devices {shared})" if len(shared) > 1 else ""
             lines.append(f"  device {index} ({device}): {peak:.0f} MiB{together}")
         rank_zero_info("\n".join(lines))
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``"balanced_dp"`` (even split; pass the class with arguments for another plan)."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else ""
-            )
 
 
 class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn import Module
@@ -26,6 +25,7 @@ from lightning_balanced.lr_scaling import (
     warmup_multiplier,
 )
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm as _DeviceSyncBatchNorm  # the old name warns
+from lightning_balanced.strategies.registration import RegisteredStrategy, RegistryName
 
 # Set on the LightningModule by a `Tuner.lr_find` run under this strategy: the learning rate it suggests was found at
 # this factor's effective batch, so the next fit treats it as already scaled by it.
@@ -41,13 +41,16 @@ def _train_batch_size(trainer: pl.Trainer) -> int | None:
     return None
 
 
+# The name prefixes of the registered names and the `start_method` each stands for, as in Lightning's DDP names.
+_LAUNCHES = (("ddp", "popen"), ("ddp_spawn", "spawn"), ("ddp_fork", "fork"), ("ddp_notebook", "fork"))
+
 if TYPE_CHECKING:
     _StrategyBase = DDPStrategy
 else:
     _StrategyBase = object
 
 
-class LRScaledDDP(_StrategyBase):
+class LRScaledDDP(RegisteredStrategy, _StrategyBase):
     """The implementation of :class:`LRScaledDDPStrategy`, free of a Lightning base class.
 
     Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`LRScaledDDPStrategy`; combined with the
@@ -57,6 +60,16 @@ class LRScaledDDP(_StrategyBase):
     """
 
     strategy_name = "ddp_lr"
+    #: ``ddp_lr_{linear,sqrt}`` and the ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` variants.
+    registry_names = tuple(
+        RegistryName(
+            f"{prefix}_lr_{policy}",
+            f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'",
+            {"lr_scaling": policy, "start_method": start_method},
+        )
+        for prefix, start_method in _LAUNCHES
+        for policy in ("linear", "sqrt")
+    )
     #: The Lightning package of the base class: where ``TorchSyncBatchNorm`` and the LR finder's callback come from.
     _lightning_package: ClassVar[str] = "lightning.pytorch"
 
@@ -177,27 +190,6 @@ class LRScaledDDP(_StrategyBase):
         spawned = getattr(self, "_start_method", "popen") in ("spawn", "fork", "forkserver")
         if spawned and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``ddp_lr_{linear,sqrt}`` and the ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` variants."""
-        for prefix, start_method in (
-            ("ddp", "popen"),
-            ("ddp_spawn", "spawn"),
-            ("ddp_fork", "fork"),
-            ("ddp_notebook", "fork"),
-        ):
-            for policy in ("linear", "sqrt"):
-                name = f"{prefix}_lr_{policy}"
-                if name not in strategy_registry:
-                    strategy_registry.register(
-                        name,
-                        cls,
-                        description=f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'",
-                        lr_scaling=policy,
-                        start_method=start_method,
-                    )
 
 
 class LRScaledDDPStrategy(LRScaledDDP, DDPStrategy):

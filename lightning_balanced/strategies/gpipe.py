@@ -10,7 +10,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
@@ -304,12 +303,3 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
     def teardown(self) -> None:
         self._unwrap()
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``"gpipe"`` (even balance, one micro-batch; pass the class with arguments for more)."""
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description=cls.__doc__.splitlines()[0] if cls.__doc__ else ""
-            )

@@ -2,7 +2,9 @@
 
 ``pytorch_lightning`` is a copy of ``lightning.pytorch`` with its own classes and its own ``StrategyRegistry``: a
 ``pytorch_lightning.Trainer`` accepts only strategies built on its own base classes. Each class here joins the
-base-free implementation of one of our strategies to that package's base; importing this module needs
+base-free implementation of one of our strategies to that package's base; it is derived from the ``lightning.pytorch``
+class of the same name (:func:`~lightning_balanced.strategies.registration.pytorch_lightning_variant`), for every
+strategy of the package's table that is such a join (``gpipe`` is not, and has none). Importing this module needs
 ``pytorch_lightning``. ``import lightning_balanced`` registers these classes in ``pytorch_lightning``'s registry under
 the same names, when that package is installed::
 
@@ -11,32 +13,41 @@ the same names, when that package is installed::
 
     trainer = pl.Trainer(strategy="balanced_dp", accelerator="cpu", devices=2)
     trainer = pl.Trainer(strategy=BalancedDataParallelStrategy(gpu0_bsz=14), accelerator="cuda", devices=4)
+
+Names: ``BalancedDataParallelStrategy``, ``LRScaledDDPStrategy`` (one per strategy with a variant, named as the
+``lightning.pytorch`` class) and ``STRATEGIES``, the variants in table order.
 """
 
 from __future__ import annotations
 
-from pytorch_lightning.strategies import DDPStrategy, ParallelStrategy
+from typing import Any
 
-from lightning_balanced.strategies import balanced_dp, ddp_lr
-from lightning_balanced.strategies.balanced_dp import BalancedDataParallel
-from lightning_balanced.strategies.ddp_lr import LRScaledDDP
+import pytorch_lightning.strategies  # noqa: F401  (this module is for pytorch_lightning: fail early without it)
 
-__all__ = ["STRATEGIES", "BalancedDataParallelStrategy", "LRScaledDDPStrategy"]
+from lightning_balanced.strategies.registration import pytorch_lightning_variant, strategy_classes
 
 
-class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):  # type: ignore[misc]
-    """``balanced_dp`` on ``pytorch_lightning``'s ``ParallelStrategy``; documented as the class below."""
-
-    __doc__ = balanced_dp.BalancedDataParallelStrategy.__doc__
+def _variants() -> dict[str, type | None]:
+    return {strategy.__name__: pytorch_lightning_variant(strategy) for strategy in strategy_classes()}
 
 
-class LRScaledDDPStrategy(LRScaledDDP, DDPStrategy):  # type: ignore[misc]
-    """``ddp_lr_*`` on ``pytorch_lightning``'s ``DDPStrategy``; documented as the class below."""
+def __getattr__(name: str) -> Any:
+    if name.startswith("__") and name.endswith("__") and name != "__all__":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    variants = _variants()
+    if name == "STRATEGIES":
+        return tuple(variant for variant in variants.values() if variant is not None)
+    if name == "__all__":
+        return ["STRATEGIES", *(n for n, variant in variants.items() if variant is not None)]
+    if variants.get(name) is not None:
+        return variants[name]
+    if name in variants:
+        raise AttributeError(
+            f"{name} has no pytorch_lightning variant: its class is not a base-free implementation joined to a"
+            f" lightning.pytorch base (see lightning_balanced.strategies.registration.pytorch_lightning_variant)"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    __doc__ = ddp_lr.LRScaledDDPStrategy.__doc__
-    _lightning_package = "pytorch_lightning"
 
-
-#: The variants registered in ``pytorch_lightning``'s registry, in the order of
-#: :data:`lightning_balanced.strategies.registration.STRATEGIES` (a strategy without a variant is left out).
-STRATEGIES: tuple[type, ...] = (BalancedDataParallelStrategy, LRScaledDDPStrategy)
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__getattr__("__all__")])

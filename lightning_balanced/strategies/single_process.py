@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_balanced.strategies.registration import RegisteredStrategy
+
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy
 
@@ -75,14 +77,15 @@ def parallel_devices_argument(
     return parsed
 
 
-class SingleProcess(_StrategyBase):
+class SingleProcess(RegisteredStrategy, _StrategyBase):
     """The rank, world size and collectives of a ``ParallelStrategy`` that runs all its devices in one process.
 
     Free of a Lightning base class, so ``lightning.pytorch``'s and the standalone ``pytorch_lightning``'s
     ``ParallelStrategy`` can both be joined to it (``balanced_dp``, ``gpipe``). World size 1 and rank 0 everywhere, so
     Lightning adds no ``DistributedSampler`` and the dataloader's batch is the whole batch; the root device is the
     first of ``parallel_devices``; ``reduce``, ``all_gather``, ``broadcast`` and ``reduce_boolean_decision`` are the
-    identity and ``barrier`` does nothing.
+    identity and ``barrier`` does nothing. Registered like every strategy of the package (:class:`RegisteredStrategy`:
+    a subclass declares its ``strategy_name``).
     """
 
     @property

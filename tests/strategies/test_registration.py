@@ -1,0 +1,255 @@
+"""One table and one method: the package's strategies come from its entry points, and register_strategies is shared."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_balanced
+from lightning_balanced.strategies import registration
+from lightning_balanced.strategies.registration import (
+    DISTRIBUTION,
+    ENTRY_POINT_GROUP,
+    RegisteredStrategy,
+    RegistryName,
+    pytorch_lightning_variant,
+    register_strategies,
+    strategy_classes,
+)
+from tests.fake_distribution import write_distribution
+from tests.helpers import ON_CPU
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _resolve(target: str) -> Any:
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _installed_entries() -> dict[str, str]:
+    entry_points = importlib.metadata.distribution(DISTRIBUTION).entry_points
+    return {ep.name: ep.value for ep in entry_points if ep.group == ENTRY_POINT_GROUP}
+
+
+# ---- the table
+def test_the_strategies_are_the_entry_points_of_pyproject_in_order() -> None:
+    tomllib = pytest.importorskip("tomllib", reason="needs Python 3.11's tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = project["entry-points"][ENTRY_POINT_GROUP]
+    assert _installed_entries() == declared, "the installed metadata is stale: reinstall (`pip install -e .`)"
+    assert strategy_classes() == tuple(_resolve(target) for target in declared.values())
+    assert [c.__name__ for c in strategy_classes()] == [
+        "BalancedDataParallelStrategy",
+        "LRScaledDDPStrategy",
+        "GPipeStrategy",
+    ]
+    for name, strategy in zip(declared, strategy_classes(), strict=True):
+        assert strategy.strategy_name == name  # the entry is named after the strategy
+    # pytorch_lightning_compat names each variant after its class
+    assert len({c.__name__ for c in strategy_classes()}) == len(strategy_classes())
+
+
+def test_the_public_lists_are_derived_from_the_table() -> None:
+    from lightning_balanced.strategies.registration import STRATEGIES
+
+    assert STRATEGIES == registration.STRATEGIES == strategy_classes()
+    compat = pytest.importorskip("lightning_balanced.strategies.pytorch_lightning_compat")
+    from lightning_balanced.strategies.pytorch_lightning_compat import STRATEGIES as VARIANTS
+
+    assert VARIANTS == compat.STRATEGIES == (compat.BalancedDataParallelStrategy, compat.LRScaledDDPStrategy)
+    assert compat.__all__ == ["STRATEGIES", "BalancedDataParallelStrategy", "LRScaledDDPStrategy"]
+    assert {"STRATEGIES", "BalancedDataParallelStrategy", "LRScaledDDPStrategy"} <= set(dir(compat))
+
+
+def test_register_strategies_is_written_once() -> None:
+    variants = []
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        variants = [v for v in map(pytorch_lightning_variant, strategy_classes()) if v is not None]
+    for strategy in (*strategy_classes(), *variants):
+        assert issubclass(strategy, RegisteredStrategy)
+        ours = [c for c in strategy.__mro__ if c.__module__.startswith("lightning_balanced")]
+        assert [c for c in ours if "register_strategies" in vars(c)] == [RegisteredStrategy], strategy
+
+
+def test_each_class_declares_only_its_names() -> None:
+    names = {s.__name__: s.registered_names() for s in strategy_classes()}
+    (balanced,) = names["BalancedDataParallelStrategy"]
+    assert balanced == RegistryName(
+        "balanced_dp", "Single-process data parallel over several devices, each taking a chunk of the batch you choose."
+    )
+    (gpipe,) = names["GPipeStrategy"]
+    assert (gpipe.name, gpipe.init_params) == ("gpipe", {})
+    assert gpipe.description.startswith("Pipeline parallelism in one process")
+    assert [(n.name, dict(n.init_params)) for n in names["LRScaledDDPStrategy"]] == [
+        (f"{prefix}_lr_{policy}", {"lr_scaling": policy, "start_method": start_method})
+        for prefix, start_method in [
+            ("ddp", "popen"),
+            ("ddp_spawn", "spawn"),
+            ("ddp_fork", "fork"),
+            ("ddp_notebook", "fork"),
+        ]
+        for policy in ("linear", "sqrt")
+    ]
+    for name in names["LRScaledDDPStrategy"]:
+        policy, start_method = name.init_params["lr_scaling"], name.init_params["start_method"]
+        assert name.description == f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'"
+        assert StrategyRegistry[name.name]["description"] == name.description
+
+
+def test_a_class_without_a_docstring_is_described_by_nothing() -> None:
+    class Bare(lightning_balanced.BalancedDataParallelStrategy):
+        pass
+
+    assert Bare.registered_names() == (RegistryName("balanced_dp", ""),)
+
+
+# ---- a new strategy: one module and one entry
+NEW_STRATEGIES_SOURCE = '''
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from lightning_balanced.strategies.registration import RegisteredStrategy, RegistryName
+
+
+class OnCPU(RegisteredStrategy):
+    """The implementation, free of a Lightning base class."""
+
+    strategy_name = "test_on_cpu"
+    registry_names = (
+        RegistryName("test_on_cpu", init_params={"device": "cpu"}),
+        RegistryName("test_on_cpu_too", "the same, under another name", {"device": "cpu"}),
+    )
+
+
+class OnCPUStrategy(OnCPU, SingleDeviceStrategy):
+    """One CPU device: a strategy added with one file and one entry."""
+
+
+class OwnCodeStrategy(RegisteredStrategy, SingleDeviceStrategy):
+    """A strategy whose class holds its own code: no pytorch_lightning variant."""
+
+    strategy_name = "test_own_code"
+'''
+NEW_NAMES = ("test_on_cpu", "test_on_cpu_too", "test_own_code")
+
+
+@pytest.fixture
+def one_more_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """This distribution with two more entries (shadowing the installed metadata); yields the new strategies' module."""
+    entries = {
+        **_installed_entries(),
+        "test_on_cpu": "new_test_strategies:OnCPUStrategy",
+        "test_own_code": "new_test_strategies:OwnCodeStrategy",
+    }
+    site = write_distribution(
+        tmp_path / "site", DISTRIBUTION, {ENTRY_POINT_GROUP: entries}, {"new_test_strategies": NEW_STRATEGIES_SOURCE}
+    )
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(sys.modules, "new_test_strategies", raising=False)
+    variants_before = set(registration._VARIANTS)
+    yield importlib.import_module("new_test_strategies")
+    registries = [StrategyRegistry]
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        registries.append(importlib.import_module("pytorch_lightning.strategies").StrategyRegistry)
+    for registry in registries:
+        for name in NEW_NAMES:
+            registry.pop(name, None)
+    for strategy in set(registration._VARIANTS) - variants_before:
+        del registration._VARIANTS[strategy]
+
+
+def _fit_one_step(trainer: Any, module_class: Any) -> None:
+    class Net(module_class):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer.fit(Net(), DataLoader(TensorDataset(torch.randn(4, 2), torch.randn(4, 1)), batch_size=4))
+
+
+_QUIET = {
+    "accelerator": "cpu",
+    "devices": 1,
+    "max_steps": 1,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+@ON_CPU
+def test_a_new_strategy_class_and_one_entry_are_registered(one_more_entry: Any) -> None:
+    import lightning.pytorch as pl
+
+    new = one_more_entry
+    assert strategy_classes()[-2:] == (new.OnCPUStrategy, new.OwnCodeStrategy)
+    ours = register_strategies()
+    assert {*NEW_NAMES, "balanced_dp", "ddp_lr_sqrt", "gpipe"} <= set(ours)
+    assert StrategyRegistry["test_on_cpu"]["strategy"] is new.OnCPUStrategy
+    assert (
+        StrategyRegistry["test_on_cpu"]["description"]
+        == "One CPU device: a strategy added with one file and one entry."
+    )
+    assert StrategyRegistry["test_on_cpu_too"]["description"] == "the same, under another name"
+    assert StrategyRegistry["test_own_code"]["strategy"] is new.OwnCodeStrategy
+    assert register_strategies() == ours  # idempotent
+    trainer = pl.Trainer(strategy="test_on_cpu", **_QUIET)
+    assert type(trainer.strategy) is new.OnCPUStrategy
+    _fit_one_step(trainer, pl.LightningModule)
+
+    ptl = pytest.importorskip("pytorch_lightning")
+    from lightning_balanced.strategies import pytorch_lightning_compat as compat
+
+    standalone_registry = ptl.strategies.StrategyRegistry
+    variant = compat.OnCPUStrategy
+    assert variant.__bases__ == (new.OnCPU, ptl.strategies.SingleDeviceStrategy)
+    assert (variant.__module__, variant.__doc__) == (compat.__name__, new.OnCPUStrategy.__doc__)
+    assert pickle.loads(pickle.dumps(variant)) is variant
+    assert compat.STRATEGIES[-1] is variant
+    for name in ("test_on_cpu", "test_on_cpu_too"):
+        assert standalone_registry[name]["strategy"] is variant
+        assert standalone_registry[name]["init_params"] == StrategyRegistry[name]["init_params"]
+    assert "test_own_code" not in standalone_registry
+    with pytest.raises(AttributeError, match="OwnCodeStrategy has no pytorch_lightning variant"):
+        compat.OwnCodeStrategy  # noqa: B018
+    trainer = ptl.Trainer(strategy="test_on_cpu", **_QUIET)
+    assert type(trainer.strategy) is variant
+    _fit_one_step(trainer, ptl.LightningModule)
+
+
+def test_an_entry_that_is_not_a_registered_strategy_class_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entries = {**_installed_entries(), "plain": "lightning.pytorch.strategies:SingleDeviceStrategy"}
+    monkeypatch.syspath_prepend(str(write_distribution(tmp_path, DISTRIBUTION, {ENTRY_POINT_GROUP: entries})))
+    with pytest.raises(TypeError, match=r"entry point 'plain' .* must name a lightning.pytorch Strategy class with"):
+        strategy_classes()
+
+
+def test_without_the_distribution_metadata_nothing_is_registered_and_a_warning_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def not_installed(name: str) -> Any:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.warns(UserWarning, match=r"lightning_balanced is not installed .*`pip install -e \.`"):
+        assert strategy_classes() == ()
