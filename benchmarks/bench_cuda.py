@@ -1,13 +1,8 @@
-"""GPU benchmark: the CUDA NMS against torchvision's, and balanced_dp and gpipe on one GPU against one device.
+"""GPU benchmark: balanced_dp and gpipe on one GPU against one device.
 
-Three parts, each measuring ours and its anchor in this one process, interleaved, after warm-up; GPU time from CUDA
+Two parts, each measuring ours and its anchor in this one process, interleaved, after warm-up; GPU time from CUDA
 events, medians:
 
-* ``nms``: ``lightning_balanced.ops.nms`` / ``batched_nms`` (80 classes) on CUDA against ``torchvision.ops.nms`` /
-  ``batched_nms`` on CUDA (when torchvision imports), uniform boxes of 5-25 px on a canvas whose side grows with
-  ``sqrt(N)`` (the density of 2M boxes on 20000 x 20000), IoU threshold 0.5, N from 1k to 100k. ``match`` says
-  whether the kept indices are equal (plain ``nms``; for ``batched_nms`` the kept sets, since torchvision's order
-  among tied scores is unstable).
 * ``balanced_dp``: a Lightning step of a small conv-BN CNN (batch 256 of 3x32x32, SGD) under
   ``BalancedDataParallelStrategy(parallel_devices=[cuda:0] * 2, gpu0_bsz=96)``, two replicas on the one GPU, each on
   its own stream, against the same step on one device (``Trainer(devices=1)``), the anchor. Step time is from
@@ -16,10 +11,12 @@ events, medians:
   chunks 4, ``checkpoint="except_last"``) against the unpipelined ``nn.Sequential`` (an MLP, depth 32, width 1024,
   batch 2048): SGD step time and the peak memory a step adds (``torch.cuda.max_memory_allocated``).
 
-One GPU cannot be faster with two replicas or partitions than with one: the balanced_dp and gpipe ratios are the
-price of the one-GPU form (streams, copies, threads), not a speed-up. Run on a GPU machine from the repository root:
-``python benchmarks/bench_cuda.py [--quick]``. The last line is the summary ``bench_cuda: ...`` that
-``tools/gpu_check.py`` quotes. ``--device cpu`` runs the same code on the CPU (virtual devices), as a smoke test.
+One GPU cannot be faster with two replicas or partitions than with one: the ratios are the price of the one-GPU form
+(streams, copies, threads), not a speed-up. The CUDA NMS has its own benchmark, ``benchmarks/bench_nms_cuda.py``.
+Run on a GPU machine from the repository root: ``python benchmarks/bench_cuda.py [--quick]``. The last line is the
+summary ``bench_cuda: balanced_dp 2 replicas on one device / one device <ratio>; gpipe 2 partitions on one device /
+unpipelined: time <ratio>, memory <ratio>``, which ``tools/gpu_check.py`` quotes. ``--device cpu`` runs the same code
+on the CPU (virtual devices), as a smoke test.
 """
 
 from __future__ import annotations
@@ -37,7 +34,6 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import BalancedDataParallelStrategy
-from lightning_balanced.ops import batched_nms, nms
 from lightning_balanced.pipeline import Pipe
 
 
@@ -58,63 +54,6 @@ class Clock:
         end.record()
         end.synchronize()
         return begin.elapsed_time(end) / 1e3
-
-
-def _boxes(n: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    side = 20000 * (n / 2e6) ** 0.5
-    xy = torch.rand(n, 2, generator=g) * side
-    wh = 5 + torch.rand(n, 2, generator=g) * 20
-    boxes = torch.cat([xy, xy + wh], dim=1)
-    scores = torch.rand(n, generator=g)
-    classes = torch.randint(0, 80, (n,), generator=g)
-    return boxes.to(device), scores.to(device), classes.to(device)
-
-
-Case = tuple[str, Callable[[], torch.Tensor], Callable[[], torch.Tensor] | None]
-
-
-def _nms_cases(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, tv: Any) -> list[Case]:
-    """(name, ours, torchvision's or ``None``) for ``nms`` and ``batched_nms`` on these boxes."""
-    return [
-        ("nms", lambda: nms(boxes, scores, 0.5), (lambda: tv.nms(boxes, scores, 0.5)) if tv else None),
-        (
-            "batched_nms",
-            lambda: batched_nms(boxes, scores, classes, 0.5),
-            (lambda: tv.batched_nms(boxes, scores, classes, 0.5)) if tv else None,
-        ),
-    ]
-
-
-def bench_nms(device: torch.device, sizes: list[int], repeats: int) -> float | None:
-    """Print the NMS table; return the worst ratio ours / torchvision (``None`` without torchvision)."""
-    try:
-        import torchvision.ops as tv
-    except Exception as err:  # torchvision missing or built for another torch
-        print(f"nms: torchvision does not import ({type(err).__name__}: {err}); timing ours only", flush=True)
-        tv = None
-    clock = Clock(device)
-    worst: float | None = None
-    print(f"{'op':>12} {'N':>7} {'ours ms':>9} {'tv ms':>9} {'ratio':>7}  match", flush=True)
-    for n in sizes:
-        boxes, scores, classes = _boxes(n, device, seed=n)
-        for name, ours, anchor in _nms_cases(boxes, scores, classes, tv):
-            ours(), anchor() if anchor else None  # warm-up
-            t_ours: list[float] = []
-            t_anchor: list[float] = []
-            for _ in range(repeats):
-                t_ours.append(clock.time(ours))
-                if anchor:
-                    t_anchor.append(clock.time(anchor))
-            line = f"{name:>12} {n:>7} {statistics.median(t_ours) * 1e3:>9.3f}"
-            if anchor:
-                ratio = statistics.median(t_ours) / statistics.median(t_anchor)
-                worst = ratio if worst is None else max(worst, ratio)
-                kept, expected = ours().cpu(), anchor().cpu()
-                same = torch.equal(kept, expected) if name == "nms" else set(kept.tolist()) == set(expected.tolist())
-                line += f" {statistics.median(t_anchor) * 1e3:>9.3f} {ratio:>7.3f}  {'yes' if same else 'NO'}"
-            print(line, flush=True)
-    return worst
 
 
 class _StepEvents(pl.Callback):
@@ -247,7 +186,7 @@ def bench_gpipe(device: torch.device, steps: int, width: int, batch: int) -> tup
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes, steps and repeats")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -255,16 +194,12 @@ def main() -> None:
             raise SystemExit("bench_cuda: no CUDA GPU visible; run it on a GPU machine, or with --device cpu")
         device = torch.device("cuda", torch.cuda.current_device())
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
-    sizes = [1000, 10000] if args.quick else [1000, 5000, 20000, 100000]
-    nms_ratio = bench_nms(device, sizes, repeats=5 if args.quick else 15)
     dp_ratio = bench_balanced_dp(device, steps=10 if args.quick else 30, rounds=2 if args.quick else 4)
     width, batch = (256, 256) if device.type == "cpu" or args.quick else (1024, 2048)
     pipe_time, pipe_memory = bench_gpipe(device, steps=3 if args.quick else 10, width=width, batch=batch)
-    nms_text = f"{nms_ratio:.3f}" if nms_ratio is not None else "n/a (no torchvision)"
     print(
-        f"bench_cuda: nms/torchvision worst {nms_text}; balanced_dp 2 replicas on one device / one device "
-        f"{dp_ratio:.3f}; gpipe 2 partitions on one device / unpipelined: time {pipe_time:.3f}, memory "
-        f"{pipe_memory:.3f}",
+        f"bench_cuda: balanced_dp 2 replicas on one device / one device {dp_ratio:.3f}; gpipe 2 partitions on one "
+        f"device / unpipelined: time {pipe_time:.3f}, memory {pipe_memory:.3f}",
         flush=True,
     )
 

@@ -12,8 +12,9 @@ Steps, each printed as it runs (and copied to ``--log``):
 3. the GPU tests: ``pytest --cuda-only``, every test that needs a GPU or nvcc (``tests.helpers.RunIf``), which includes
    the one-GPU form of balanced_dp, its synchronized BatchNorm, gpipe, the pipeline and the evaluation gather, and the
    CUDA NMS; in parallel with pytest-xdist when installed;
-4. the CUDA benchmarks: ``benchmarks/bench_cuda.py`` (NMS against torchvision's CUDA kernel, balanced_dp and gpipe on
-   one GPU against one device).
+4. the CUDA benchmarks: ``benchmarks/bench_cuda.py`` (balanced_dp and gpipe on one GPU against one device) and
+   ``benchmarks/bench_nms_cuda.py`` (the CUDA NMS against torchvision's CUDA kernel and our CPU kernel: time, memory,
+   exact kept indices, the padded form in a CUDA graph); ``--quick`` runs both in their quick form.
 
 The last line is the summary: ``gpu_check: PASSED ...`` or ``gpu_check: FAILED ...`` (exit status 1). Designed to
 finish in a few minutes on one GPU with 16 cores.
@@ -158,13 +159,22 @@ def run_tests(report: Report, workers: int) -> str:
 
 
 def run_benchmarks(report: Report, quick: bool) -> str:
-    report.step("CUDA benchmarks (benchmarks/bench_cuda.py)")
-    command = [sys.executable, str(ROOT / "benchmarks" / "bench_cuda.py")] + (["--quick"] if quick else [])
-    status, last = _run(report, command, timeout_s=240)
-    if status != 0 or not last.startswith("bench_cuda:"):
-        report.fail(f"benchmarks: exit status {status}, last line {last!r}")
-        return "failed"
-    return last.removeprefix("bench_cuda: ")
+    """Run each CUDA benchmark; their summary lines (the last line each prints), joined."""
+    flags = ["--quick"] if quick else []
+    summaries = []
+    # (script, how its summary line starts, whether the quoted summary keeps that start, time limit in seconds)
+    for script, prefix, keep_prefix, timeout_s in (
+        ("bench_cuda.py", "bench_cuda:", False, 240),
+        ("bench_nms_cuda.py", "worst_ratio_vs_torchvision_cuda=", True, 600),
+    ):
+        report.step(f"CUDA benchmarks (benchmarks/{script})")
+        status, last = _run(report, [sys.executable, str(ROOT / "benchmarks" / script), *flags], timeout_s=timeout_s)
+        if status != 0 or not last.startswith(prefix):
+            report.fail(f"{script}: exit status {status}, last line {last!r}")
+            summaries.append(f"{script} failed")
+        else:
+            summaries.append(last if keep_prefix else last.removeprefix(prefix).strip())
+    return "; ".join(summaries)
 
 
 def main() -> int:

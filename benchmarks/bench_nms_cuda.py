@@ -1,0 +1,517 @@
+"""CUDA benchmark of lightning_balanced.ops.nms / batched_nms / batched_nms_padded against torchvision's CUDA kernel.
+
+Anchors, each run in the same process on the same tensors:
+  * ``tv``: ``torchvision.ops.nms`` / ``batched_nms`` on CUDA, when torchvision imports and has CUDA kernels, timed
+    interleaved with ours. Its suppression mask takes ``N * ceil(N / 64) * 8`` bytes per ``nms`` call (on the GPU,
+    then copied to the host); torchvision 0.29's ``batched_nms`` on CUDA runs one ``nms`` per class above 5000 boxes
+    (20000 coordinates), over all boxes (coordinate trick) below. A row whose mask would exceed ``--tv-max-gib``
+    (8 GiB), or half the free GPU memory, or that runs out of memory, prints ``oom/skipped`` and is left out of the
+    worst ratio.
+  * ``cpu``: our CPU kernel on the same tensors copied to the host (``nms(boxes.cpu(), scores.cpu(), ...)``); our
+    CUDA kept indices must equal it exactly, in the same order (``exact=yes/NO``; float16 inputs are compared with
+    the CPU result on the same float16 tensors). Its time (one call) is printed for reference.
+``ours`` is the public ``lightning_balanced.ops`` function (argument checks included).
+
+Workloads (boxes drawn in float32 on the CPU, then cast to the dtype and moved to the GPU; threshold ``--iou``, 0.5):
+  * ``uniform``: sides 10-110 px, uniform positions on a canvas of side ``1000 * sqrt(N / 1000)`` (fixed density);
+  * ``clustered``: detector-like, ``N / 50`` objects (sides 20-200 px, centres on a canvas of side
+    ``1000 * sqrt(objects / 100)``), each with about 50 jittered proposals: many heavy overlaps;
+  * ``mixed``: sides log-uniform in 2-200 px, width and height independent, at the density of 2M boxes on a
+    20000 x 20000 canvas;
+  * ``duplicates``: ``uniform`` boxes each repeated 4 times (shuffled), scores from 8 distinct values (ties).
+float32 and float16 (at N = 1M the canvases reach 14000-32000 px, where float16 steps are 8-32 px: small boxes
+collapse to zero width, which NMS always keeps); N = 100, 1k, 5k, 20k, 100k, 1M; ``nms`` and ``batched_nms`` (80
+classes, ids random).
+
+Timing: CUDA events around each call (after ``--warmup`` calls), medians of ``--repeats`` calls, ours and
+torchvision's alternating; a row whose calls take long gets fewer repeats (at least 3; ``--row-budget``). Peak
+memory of one call: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the memory
+allocated before the call (the output included).
+
+The padded form: ``batched_nms_padded`` on B = 8 clustered images of N = 1000 boxes (80 classes, ``max_output``
+100) against a Python loop of ``batched_nms`` per image (time; each image's row must equal the loop's result
+truncated to 100, then ``-1``), then captured in a CUDA graph (warm-up on a side stream, ``torch.cuda.graph``),
+replayed on two batches copied into its inputs, and each replay compared with the eager call.
+
+Printed: a table per dtype and workload (``ratio`` = ours / torchvision), the padded lines, then
+``mixed_1m_time_s=... mixed_1m_peak_gib=...`` (``nms``, float32, 1M ``mixed`` boxes) and, as the last line,
+``worst_ratio_vs_torchvision_cuda=`` (the largest ratio over the rows where torchvision ran; ``n/a`` without
+torchvision). The exit status is 1 if an exactness check failed (listed on a ``FAILED:`` line before the summary).
+
+Run on a GPU machine from the repository root: ``python benchmarks/bench_nms_cuda.py`` (``--quick``: N = 100, 1k,
+20k and fewer repeats; ``--sizes 1000,20000`` to choose N). Without a GPU it prints why it skipped and exits 0.
+``--device cpu`` runs the same code on the CPU as a smoke test (torchvision's CPU kernel as the anchor,
+``perf_counter`` times, no memory figures, no graph capture); its last line is ``worst_ratio_vs_torchvision_cpu=``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from lightning_balanced.ops import batched_nms, batched_nms_padded, nms
+
+Fn = Callable[[], object]
+WORKLOADS = ("uniform", "clustered", "mixed", "duplicates")
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+CLASSES = 80
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Workloads (float32, on the CPU)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def uniform_boxes(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sides in [10, 110) px on a canvas of side ``1000 * sqrt(n / 1000)``."""
+    side = 1000 * math.sqrt(n / 1000)
+    xy = torch.rand(n, 2, generator=gen) * side
+    wh = torch.rand(n, 2, generator=gen) * 100 + 10
+    return torch.cat([xy, xy + wh], dim=1), torch.rand(n, generator=gen)
+
+
+def clustered_boxes(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """About 50 jittered proposals around each of ``n / 50`` objects (sides 20-200 px)."""
+    objects = max(1, n // 50)
+    side = 1000 * math.sqrt(objects / 100)
+    centers = torch.rand(objects, 2, generator=gen) * side
+    sizes = torch.rand(objects, 2, generator=gen) * 180 + 20
+    owner = torch.randint(0, objects, (n,), generator=gen)
+    jitter = torch.randn(n, 4, generator=gen) * 0.12
+    c = centers[owner] + jitter[:, :2] * sizes[owner]
+    s = sizes[owner] * torch.exp(jitter[:, 2:])
+    scores = (1 - jitter.abs().mean(dim=1)).clamp(min=0) * torch.rand(n, generator=gen).sqrt()
+    return torch.cat([c - s / 2, c + s / 2], dim=1), scores
+
+
+def mixed_boxes(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sides log-uniform in [2, 200] px (width and height independent), density of 2M boxes on 20000 x 20000."""
+    side = 20000 * math.sqrt(n / 2e6)
+    xy = torch.rand(n, 2, generator=gen) * side
+    wh = torch.exp(math.log(2) + torch.rand(n, 2, generator=gen) * math.log(100))
+    return torch.cat([xy, xy + wh], dim=1), torch.rand(n, generator=gen)
+
+
+def duplicate_boxes(n: int, gen: torch.Generator, copies: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """``uniform`` boxes each repeated ``copies`` times, shuffled; scores from 8 distinct values."""
+    base, _ = uniform_boxes(-(-n // copies), gen)
+    boxes = base.repeat_interleave(copies, dim=0)[:n]
+    boxes = boxes[torch.randperm(n, generator=gen)]
+    scores = torch.randint(1, 9, (n,), generator=gen).float() / 8
+    return boxes, scores
+
+
+MAKERS: dict[str, Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]] = {
+    "uniform": uniform_boxes,
+    "clustered": clustered_boxes,
+    "mixed": mixed_boxes,
+    "duplicates": duplicate_boxes,
+}
+
+
+def workload(kind: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Boxes, scores (float32) and class ids of one workload, on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    boxes, scores = MAKERS[kind](n, gen)
+    return boxes, scores, torch.randint(0, CLASSES, (n,), generator=gen)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Clock:
+    """Seconds of one call: CUDA events on a GPU, ``perf_counter`` elsewhere; peak memory of one call on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn: Fn) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    def peak_bytes(self, fn: Fn) -> int | None:
+        """Memory one call adds at its peak (its output included); ``None`` off the GPU."""
+        if not self.cuda:
+            return None
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        out = fn()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del out
+        return peak
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def measure(clock: Clock, fns: dict[str, Fn], warmup: int, repeats: int, budget_s: float) -> dict[str, float]:
+    """Median seconds per call of each function, calls alternating; fewer repeats (>= 3) when they are slow."""
+    one_round = 0.0
+    for fn in fns.values():
+        for _ in range(max(0, warmup - 1)):
+            fn()
+        one_round += clock.time(fn)  # the last warm-up call, timed to size the repeats
+    repeats = max(3, min(repeats, int(budget_s / max(one_round, 1e-9))))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(clock.time(fn))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def tv_mask_bytes(op: str, n: int, idxs: torch.Tensor) -> int:
+    """Bytes of torchvision's largest suppression mask for this call (0.29: one ``nms`` per class above 5000 boxes)."""
+    m = n
+    if op == "batched_nms" and n * 4 > 20000:
+        m = int(torch.bincount(idxs.cpu()).max())
+    return m * ((m + 63) // 64) * 8
+
+
+def _calls(
+    op: str,
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    idxs: torch.Tensor,
+    boxes_cpu: torch.Tensor,
+    scores_cpu: torch.Tensor,
+    idxs_cpu: torch.Tensor,
+    thr: float,
+    tv: ModuleType | None,
+) -> tuple[Fn, Callable[[], torch.Tensor], Fn | None]:
+    """(ours on the device, ours on the CPU copies, torchvision's on the device or ``None``) for ``op``."""
+    if op == "nms":
+        return (
+            lambda: nms(boxes, scores, thr),
+            lambda: nms(boxes_cpu, scores_cpu, thr),
+            (lambda: tv.nms(boxes, scores, thr)) if tv is not None else None,
+        )
+    return (
+        lambda: batched_nms(boxes, scores, idxs, thr),
+        lambda: batched_nms(boxes_cpu, scores_cpu, idxs_cpu, thr),
+        (lambda: tv.batched_nms(boxes, scores, idxs, thr)) if tv is not None else None,
+    )
+
+
+def _describe(err: BaseException) -> str:
+    lines = str(err).splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _fmt_ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _fmt_mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+class Bench:
+    """Runs the table rows; keeps the worst ratio, the failures and the 1M mixed-size figures."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, tv: ModuleType | None) -> None:
+        self.args = args
+        self.device = device
+        self.clock = Clock(device)
+        self.tv = tv
+        self.worst: float | None = None
+        self.failures: list[str] = []
+        self.mixed_1m: tuple[float, int | None] | None = None
+
+    def header(self, kind: str, dtype: str) -> None:
+        print(f"\n== {kind}, {dtype}, IoU {self.args.iou} ==", flush=True)
+        print(
+            f"{'op':<12}{'N':>9}{'kept':>9}{'ours ms':>11}{'tv ms':>13}{'ratio':>8}{'cpu ms':>11}"
+            f"{'ours MiB':>10}{'tv MiB':>10}  exact  tv_same",
+            flush=True,
+        )
+
+    def _tv_fits(self, op: str, n: int, idxs: torch.Tensor) -> bool:
+        mask = tv_mask_bytes(op, n, idxs)
+        if mask > self.args.tv_max_gib * 2**30:
+            return False
+        if self.clock.cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return 2 * mask < free
+        return True
+
+    def _tv_first_call(self, anchor: Fn) -> str | None:
+        """Call torchvision once: ``None`` if it ran, ``"oom"``; other errors turn torchvision off (``"error"``)."""
+        try:
+            anchor()
+            self.clock.sync()
+            return None
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return "oom"
+        except Exception as err:  # e.g. a CPU-only torchvision: no CUDA kernel
+            print(f"torchvision failed ({_describe(err)}); timing ours only", flush=True)
+            self.tv = None
+            return "error"
+
+    def row(self, kind: str, dtype_name: str, n: int) -> None:
+        boxes32, scores32, idxs_cpu = workload(kind, n, seed=n + WORKLOADS.index(kind))
+        dtype = DTYPES[dtype_name]
+        boxes_cpu, scores_cpu = boxes32.to(dtype), scores32.to(dtype)
+        boxes, scores, idxs = boxes_cpu.to(self.device), scores_cpu.to(self.device), idxs_cpu.to(self.device)
+        thr = self.args.iou
+        for op in ("nms", "batched_nms"):
+            ours, cpu, tv_fn = _calls(op, boxes, scores, idxs, boxes_cpu, scores_cpu, idxs_cpu, thr, self.tv)
+            tv_status = None
+            if tv_fn is not None:
+                tv_status = None if self._tv_fits(op, n, idxs_cpu) else "skipped"
+                tv_status = tv_status or self._tv_first_call(tv_fn)
+                if tv_status == "error":
+                    tv_fn = None
+            tv_runs = tv_fn is not None and tv_status is None
+            try:
+                fns: dict[str, Fn] = {"ours": ours}
+                if tv_runs:
+                    assert tv_fn is not None
+                    fns["tv"] = tv_fn
+                times = measure(self.clock, fns, self.args.warmup, self.args.repeats, self.args.row_budget)
+                peak_ours = self.clock.peak_bytes(ours)
+                peak_tv = self.clock.peak_bytes(fns["tv"]) if tv_runs else None
+                kept = ours()
+            except torch.cuda.OutOfMemoryError as err:
+                torch.cuda.empty_cache()
+                self.failures.append(f"{op} {kind} {dtype_name} N={n}: out of memory ({_describe(err)})")
+                print(f"{op:<12}{n:>9}  out of memory (ours, or torchvision after its first call)", flush=True)
+                continue
+            assert isinstance(kept, torch.Tensor)
+            start = time.perf_counter()
+            expected = cpu()
+            t_cpu = time.perf_counter() - start
+            kept_cpu = kept.cpu()
+            exact = torch.equal(kept_cpu, expected)
+            if not exact:
+                self.failures.append(f"{op} {kind} {dtype_name} N={n}: CUDA kept indices differ from the CPU kernel's")
+            tv_same = "-"
+            ratio_text, tv_text = "-", "-"
+            if tv_runs:
+                tv_kept = fns["tv"]()
+                assert isinstance(tv_kept, torch.Tensor)
+                tv_kept = tv_kept.cpu()
+                if op == "nms":
+                    same = torch.equal(tv_kept, kept_cpu)
+                else:  # torchvision orders tied scores of different classes in any order
+                    same = set(tv_kept.tolist()) == set(kept_cpu.tolist())
+                tv_same = "yes" if same else "no"
+                ratio = times["ours"] / times["tv"]
+                self.worst = ratio if self.worst is None else max(self.worst, ratio)
+                ratio_text, tv_text = f"{ratio:.3f}", _fmt_ms(times["tv"])
+            elif tv_status in ("oom", "skipped"):
+                tv_text = "oom/skipped"
+            if op == "nms" and kind == "mixed" and dtype_name == "float32" and n == 1_000_000:
+                self.mixed_1m = (times["ours"], peak_ours)
+            del kept
+            print(
+                f"{op:<12}{n:>9}{kept_cpu.numel():>9}{_fmt_ms(times['ours']):>11}{tv_text:>13}{ratio_text:>8}"
+                f"{_fmt_ms(t_cpu):>11}{_fmt_mib(peak_ours):>10}{_fmt_mib(peak_tv):>10}  "
+                f"{'yes' if exact else 'NO':<5}  {tv_same}",
+                flush=True,
+            )
+
+    def measure_mixed_1m(self) -> tuple[float, int | None]:
+        """``nms`` on 1M float32 mixed-size boxes (when the table did not include it)."""
+        if self.mixed_1m is not None:
+            return self.mixed_1m
+        boxes, scores, _ = workload("mixed", 1_000_000, seed=1_000_000 + WORKLOADS.index("mixed"))
+        boxes, scores = boxes.to(self.device), scores.to(self.device)
+        thr = self.args.iou
+
+        def ours() -> torch.Tensor:
+            return nms(boxes, scores, thr)
+
+        seconds = measure(self.clock, {"ours": ours}, self.args.warmup, self.args.repeats, self.args.row_budget)
+        return seconds["ours"], self.clock.peak_bytes(ours)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The padded form and its CUDA graph
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _padded_batch(
+    batch: int, n: int, dtype: torch.dtype, device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    images = [workload("clustered", n, seed=seed + b) for b in range(batch)]
+    boxes = torch.stack([b for b, _, _ in images]).to(dtype)
+    scores = torch.stack([s for _, s, _ in images]).to(dtype)
+    idxs = torch.stack([i for _, _, i in images])
+    return boxes.to(device), scores.to(device), idxs.to(device)
+
+
+def _padded_matches_loop(
+    keep: torch.Tensor, num_kept: torch.Tensor, per_image: list[torch.Tensor], max_output: int
+) -> bool:
+    keep, num_kept = keep.cpu(), num_kept.cpu()
+    for b, kept in enumerate(per_image):
+        expected = kept.cpu()[:max_output]
+        k = expected.numel()
+        if int(num_kept[b]) != k or not torch.equal(keep[b, :k], expected) or bool((keep[b, k:] != -1).any()):
+            return False
+    return True
+
+
+def bench_padded(bench: Bench, batch: int = 8, n: int = 1000, max_output: int = 100) -> None:
+    """Print ``batched_nms_padded`` against a loop of ``batched_nms``, and its CUDA graph's replay."""
+    device, clock, thr = bench.device, bench.clock, bench.args.iou
+    boxes, scores, idxs = _padded_batch(batch, n, torch.float32, device, seed=2024)
+
+    def padded() -> tuple[torch.Tensor, torch.Tensor]:
+        return batched_nms_padded(boxes, scores, idxs, thr, max_output)
+
+    def loop() -> list[torch.Tensor]:
+        return [batched_nms(boxes[b], scores[b], idxs[b], thr) for b in range(batch)]
+
+    times = measure(clock, {"padded": padded, "loop": loop}, bench.args.warmup, bench.args.repeats, 2.0)
+    same = _padded_matches_loop(*padded(), loop(), max_output)
+    if not same:
+        bench.failures.append("batched_nms_padded differs from the loop of batched_nms")
+    print(
+        f"\npadded: batched_nms_padded B={batch} N={n} max_output={max_output} (clustered, float32, {CLASSES} classes) "
+        f"{_fmt_ms(times['padded'])} ms, loop of batched_nms {_fmt_ms(times['loop'])} ms, "
+        f"ratio {times['padded'] / times['loop']:.3f}, exact={'yes' if same else 'NO'}",
+        flush=True,
+    )
+    if not clock.cuda:
+        print("padded_graph: skipped (no CUDA graphs off the GPU)", flush=True)
+        return
+    try:
+        graph_same, replay_s = _graph_replay(bench, boxes, scores, idxs, max_output)
+    except Exception as err:
+        bench.failures.append(f"CUDA graph capture of batched_nms_padded failed ({type(err).__name__})")
+        print(f"padded_graph: capture FAILED ({_describe(err)})", flush=True)
+        return
+    if not graph_same:
+        bench.failures.append("the CUDA graph's replay of batched_nms_padded differs from the eager call")
+    print(
+        f"padded_graph: captured, replayed on 2 new batches, equal to eager={'yes' if graph_same else 'NO'}; "
+        f"replay {_fmt_ms(replay_s)} ms vs eager {_fmt_ms(times['padded'])} ms",
+        flush=True,
+    )
+
+
+def _graph_replay(
+    bench: Bench, boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, max_output: int
+) -> tuple[bool, float]:
+    """Capture ``batched_nms_padded`` on static inputs; replay it on new batches; (equal to eager, replay seconds)."""
+    device, thr = bench.device, bench.args.iou
+    static_boxes, static_scores, static_idxs = boxes.clone(), scores.clone(), idxs.clone()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up on a side stream before capture, as torch's docs ask
+        for _ in range(3):
+            batched_nms_padded(static_boxes, static_scores, static_idxs, thr, max_output)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_keep, static_num = batched_nms_padded(static_boxes, static_scores, static_idxs, thr, max_output)
+    same = True
+    for seed in (3033, 4044):
+        new_boxes, new_scores, new_idxs = _padded_batch(boxes.shape[0], boxes.shape[1], boxes.dtype, device, seed)
+        static_boxes.copy_(new_boxes)
+        static_scores.copy_(new_scores)
+        static_idxs.copy_(new_idxs)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        keep, num_kept = batched_nms_padded(new_boxes, new_scores, new_idxs, thr, max_output)
+        same = same and torch.equal(static_keep, keep) and torch.equal(static_num, num_kept)
+    replay = measure(bench.clock, {"replay": graph.replay}, bench.args.warmup, bench.args.repeats, 2.0)
+    return same, replay["replay"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _import_torchvision() -> ModuleType | None:
+    try:
+        import torchvision.ops
+
+        return torchvision.ops
+    except Exception as err:  # missing, or built for another torch
+        print(f"torchvision does not import ({type(err).__name__}: {err}); timing ours only", flush=True)
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N = 100, 1k, 20k and fewer repeats")
+    parser.add_argument("--sizes", type=str, default=None, help="comma-separated N (default 100,...,1000000)")
+    parser.add_argument("--workloads", type=str, default=",".join(WORKLOADS), help="comma-separated workloads")
+    parser.add_argument("--iou", type=float, default=0.5, help="IoU threshold")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per function (15; --quick 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
+    parser.add_argument("--row-budget", type=float, default=3.0, help="seconds of timed calls per row, about")
+    parser.add_argument("--tv-max-gib", type=float, default=8.0, help="skip torchvision above this mask size")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke run without a GPU
+    args = parser.parse_args()
+    if args.sizes:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    else:
+        sizes = [100, 1000, 20000] if args.quick else [100, 1000, 5000, 20000, 100_000, 1_000_000]
+    args.repeats = args.repeats or (5 if args.quick else 15)
+    workloads = [w for w in args.workloads.split(",") if w]
+    for name in workloads:
+        if name not in MAKERS:
+            parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print(
+                f"bench_nms_cuda: skipped, no CUDA GPU visible to torch {torch.__version__} (CUDA "
+                f"{torch.version.cuda}); run it on a GPU machine (a CPU smoke run: --device cpu)",
+                flush=True,
+            )
+            return 0
+        device = torch.device("cuda", torch.cuda.current_device())
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    else:
+        print(f"smoke run on {device}, torch {torch.__version__}: CPU kernels, perf_counter times", flush=True)
+    tv = _import_torchvision()
+    if tv is not None:
+        print(f"torchvision {sys.modules['torchvision'].__version__}", flush=True)
+
+    bench = Bench(args, device, tv)
+    for dtype_name in DTYPES:
+        for kind in workloads:
+            bench.header(kind, dtype_name)
+            for n in sizes:
+                bench.row(kind, dtype_name, n)
+    bench_padded(bench)
+    seconds, peak = bench.measure_mixed_1m()
+    if bench.failures:
+        print("FAILED: " + "; ".join(bench.failures), flush=True)
+    peak_text = "n/a" if peak is None else f"{peak / 2**30:.4f}"
+    print(f"mixed_1m_time_s={seconds:.5f} mixed_1m_peak_gib={peak_text} (nms, float32, IoU {args.iou})", flush=True)
+    worst = "n/a" if bench.worst is None else f"{bench.worst:.3f}"
+    print(f"worst_ratio_vs_torchvision_{device.type}={worst}", flush=True)
+    return 1 if bench.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
