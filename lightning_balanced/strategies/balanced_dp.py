@@ -312,9 +312,7 @@ class BalancedDataParallel(SingleProcess):
         inference_mode = torch.is_inference_mode_enabled()
         observed = step_name == "training_step" and self._split_observes and batch_size > 0
         times = _ReplicaTimes(len(replicas), self.root_device.type == "cuda") if observed else None
-        inputs = [
-            (_StepCall(step_name, inference_mode, barrier, i, times), *a) for i, (a, _) in enumerate(scattered)
-        ]
+        inputs = [(_StepCall(step_name, inference_mode, barrier, i, times), *a) for i, (a, _) in enumerate(scattered)]
         failure: BaseException | None = None
         try:
             streams = [self._streams[i] for i in run] if self._streams else None

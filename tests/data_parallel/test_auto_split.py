@@ -93,3 +93,13 @@ def test_infeasible_batch_raises_naming_each_device() -> None:
 def test_argument_errors(kwargs: dict, error: type[Exception], message: str) -> None:
     with raises_exactly(error, message):
         AutoSplit(**kwargs)
+
+
+def test_chunk_sizes_auto_is_autosplit_and_exclusive_with_gpu0_bsz() -> None:
+    from lightning_balanced.data_parallel import split_policy
+
+    assert isinstance(split_policy(chunk_sizes="auto"), AutoSplit)
+    with raises_exactly(
+        ValueError, "Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got gpu0_bsz and chunk_sizes"
+    ):
+        split_policy(gpu0_bsz=2, chunk_sizes="auto")
