@@ -5,7 +5,15 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 """
 
 from lightning_balanced import _moved_modules
-from lightning_balanced.data_parallel import ChunkSizes, EvenSplit, Gpu0Budget, SplitPolicy, Weights, plan_chunk_sizes
+from lightning_balanced.data_parallel import (
+    AutoSplit,
+    ChunkSizes,
+    EvenSplit,
+    Gpu0Budget,
+    SplitPolicy,
+    Weights,
+    plan_chunk_sizes,
+)
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset, coco_map, postprocess_detections
 from lightning_balanced.lr_scaling import unscale_learning_rates
 from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
@@ -18,6 +26,7 @@ register_strategies()
 _moved_modules.install()
 
 __all__ = [
+    "AutoSplit",
     "BalancedDataParallelStrategy",
     "ChunkSizes",
     "DistributedEvalMixin",

@@ -8,6 +8,7 @@ rules torch's CUDA ops enforce fail on CPU too (autograd-aware ``split``, ``Modu
 thread per replica, ``cat``).
 """
 
+from lightning_balanced.data_parallel.auto_split import AutoSplit
 from lightning_balanced.data_parallel.gather import gather
 from lightning_balanced.data_parallel.parallel_apply import parallel_apply
 from lightning_balanced.data_parallel.replicate import check_replicable, replicate
@@ -25,6 +26,7 @@ from lightning_balanced.data_parallel.split_policy import (
 from lightning_balanced.data_parallel.virtual_device import virtual_devices
 
 __all__ = [
+    "AutoSplit",
     "ChunkSizes",
     "EvenSplit",
     "Gpu0Budget",

@@ -250,7 +250,8 @@ def split_policy(
     """The policy ``split``, or the one of the shorthands ``gpu0_bsz``, ``chunk_sizes``, ``weights`` (none: even).
 
     ``gpu0_bsz=14`` is short for ``split=Gpu0Budget(14)``, ``chunk_sizes=[...]`` for ``split=ChunkSizes([...])``,
-    ``weights=[...]`` for ``split=Weights([...])``, and nothing for ``split=EvenSplit()``. At most one of the four may
+    ``weights=[...]`` for ``split=Weights([...])``, ``chunk_sizes="auto"`` for ``split=AutoSplit()``,
+    and nothing for ``split=EvenSplit()``. At most one of the four may
     be given.
 
     Raises:
@@ -280,6 +281,10 @@ def split_policy(
     if not given:
         return EvenSplit()
     name, value = given[0]
+    if name == "chunk_sizes" and isinstance(value, str) and value == "auto":
+        from lightning_balanced.data_parallel.auto_split import AutoSplit
+
+        return AutoSplit()
     policy: SplitPolicy = _SHORTHANDS[name](value)
     return policy
 

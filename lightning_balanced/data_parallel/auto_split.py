@@ -1,0 +1,208 @@
+""":class:`AutoSplit`: a split policy that measures each device's speed (and memory) and splits the batch by it."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+
+from lightning_balanced.arguments import check_int, check_real
+from lightning_balanced.data_parallel.split_policy import SplitPolicy, even_split, proportional_split
+
+__all__ = ["AutoSplit"]
+
+log = logging.getLogger(__name__)
+
+
+def _round_significant(value: float, digits: int = 3) -> float:
+    """``value`` rounded to ``digits`` significant digits (``0.0`` stays ``0.0``)."""
+    if value == 0.0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+class AutoSplit(SplitPolicy):
+    """Chunk sizes proportional to each device's measured speed, capped by its memory, re-planned on drift.
+
+    Before its first plan it splits evenly (:func:`even_split`). From the training steps it observes (the first
+    ``warmup_steps`` excluded) it estimates each device's seconds per sample as the median of ``seconds / chunk_size``
+    (chunks of 0 ignored), rounded to 3 significant digits so that timing jitter does not change a seeded run's plan:
+    the plan is a pure function of the observations. After ``profile_steps`` measured steps it plans sizes proportional
+    to speed (``1 / seconds_per_sample``) with largest-remainder rounding (exact sum; every device gets >= 1 sample when
+    ``batch_size >= num_devices`` and it can hold one). With memory observations (``peak_bytes``) and
+    ``capacity_bytes``, a device's chunk is capped at ``floor((memory_fraction * capacity - fixed) / per_sample)`` and
+    the excess goes to the others in proportion to their speed. It re-plans only when a device's median seconds per
+    sample over the last ``drift_window`` steps differs from the one its plan used by more than ``drift_tolerance``
+    (relative). Every plan is logged, one line per device, with a ``chunk_sizes=[...]`` line to pin it. A batch of
+    another size (validation, test, predict, the last batch) gets the last plan's proportions.
+
+    Args:
+        profile_steps (int): measured steps before the first plan, >= 1.
+        memory_fraction (float): the share of each device's capacity a chunk may use, in (0, 1].
+        drift_tolerance (float): relative change of a device's seconds per sample that re-plans, > 0.
+        drift_window (int): steps in the drift median, >= 1.
+        warmup_steps (int): first observed steps ignored (compilation, allocator warm-up), >= 0.
+        capacity_bytes (Sequence[int], optional): memory per device in bytes; ``None``: no memory cap.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or out of range, naming it
+            (:mod:`lightning_balanced.arguments`).
+    """
+
+    def __init__(
+        self,
+        profile_steps: int = 5,
+        memory_fraction: float = 0.9,
+        drift_tolerance: float = 0.2,
+        drift_window: int = 20,
+        warmup_steps: int = 1,
+        capacity_bytes: Sequence[int] | None = None,
+    ) -> None:
+        self.profile_steps = check_int("profile_steps", profile_steps, minimum=1)
+        self.memory_fraction = check_real("memory_fraction", memory_fraction, positive=True, maximum=1.0)
+        self.drift_tolerance = check_real("drift_tolerance", drift_tolerance, positive=True)
+        self.drift_window = check_int("drift_window", drift_window, minimum=1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.capacity_bytes = (
+            None
+            if capacity_bytes is None
+            else [check_int(f"capacity_bytes[{i}]", c, minimum=1) for i, c in enumerate(capacity_bytes)]
+        )
+        self._seen = 0
+        self._window: deque[tuple[list[int], list[float]]] = deque(maxlen=max(self.drift_window, self.profile_steps))
+        self._memory: list[list[tuple[int, int]]] = []
+        self._planned: list[int] | None = None
+        self._planned_speeds: list[float] | None = None
+        self._batch_size = 0
+        self.replans = 0
+
+    def observe(self, chunk_sizes: list[int], seconds: list[float], peak_bytes: list[int] | None = None) -> None:
+        """Record one training step; re-plan at the end of profiling or on drift (see the class docstring).
+
+        Args:
+            chunk_sizes (list[int]): samples per device in the step.
+            seconds (list[float]): each device's step time in seconds.
+            peak_bytes (list[int], optional): each device's peak memory in the step, in bytes.
+        """
+        self._seen += 1
+        if self._seen <= self.warmup_steps:
+            return
+        self._window.append((list(chunk_sizes), list(seconds)))
+        if peak_bytes is not None:
+            if not self._memory:
+                self._memory = [[] for _ in chunk_sizes]
+            for i, (n, b) in enumerate(zip(chunk_sizes, peak_bytes, strict=True)):
+                if n > 0 and (not self._memory[i] or self._memory[i][-1][0] != n):
+                    self._memory[i] = [*self._memory[i][-1:], (n, int(b))]
+        total = sum(chunk_sizes)
+        measured = self._seen - self.warmup_steps
+        if self._planned_speeds is None:
+            if measured >= self.profile_steps:
+                self._replan(total, len(chunk_sizes))
+            return
+        recent = self.seconds_per_sample(len(chunk_sizes), self.drift_window)
+        if any(
+            r is not None and abs(r - p) > self.drift_tolerance * p
+            for r, p in zip(recent, self._planned_speeds, strict=True)
+        ):
+            self._replan(total, len(chunk_sizes))
+
+    def seconds_per_sample(self, num_devices: int, last: int | None = None) -> list[float | None]:
+        """Each device's median ``seconds / chunk_size`` over the last ``last`` steps, to 3 significant digits."""
+        steps = list(self._window)[-(last or len(self._window)) :]
+        out: list[float | None] = []
+        for i in range(num_devices):
+            rates = [s[i] / n[i] for n, s in steps if i < len(n) and n[i] > 0]
+            out.append(_round_significant(statistics.median(rates)) if rates else None)
+        return out
+
+    def _memory_model(self, device: int) -> tuple[float, float] | None:
+        """``(fixed_bytes, bytes_per_sample)`` of ``device`` from its last two chunk sizes' peaks, or ``None``."""
+        if not self._memory or len(self._memory[device]) < 2:
+            return None
+        (n0, b0), (n1, b1) = self._memory[device][-2:]
+        per_sample = max((b1 - b0) / (n1 - n0), 0.0)
+        return max(b1 - per_sample * n1, 0.0), per_sample
+
+    def _replan(self, batch_size: int, num_devices: int) -> None:
+        rates = self.seconds_per_sample(num_devices, self.drift_window)
+        known = [r for r in rates if r is not None and r > 0]
+        fallback = statistics.median(known) if known else 1.0
+        rates_used = [r if r is not None and r > 0 else fallback for r in rates]
+        self._planned_speeds = rates_used
+        self._batch_size = batch_size
+        self._planned = self._split(batch_size, [1.0 / r for r in rates_used])
+        self.replans += 1
+        for i, (n, r) in enumerate(zip(self._planned, rates_used, strict=True)):
+            model = self._memory_model(i)
+            memory = "" if model is None else f", {model[1]:.0f} B/sample + {model[0]:.0f} B fixed"
+            log.info("AutoSplit device %d: chunk %d, %.3g s/sample%s", i, n, r, memory)
+        log.info("AutoSplit plan, to pin it: chunk_sizes=%s", self._planned)
+
+    def _caps(self, num_devices: int) -> list[int | None]:
+        caps: list[int | None] = []
+        for i in range(num_devices):
+            model = self._memory_model(i)
+            if model is None or self.capacity_bytes is None or model[1] <= 0:
+                caps.append(None)
+            else:
+                caps.append(max(math.floor((self.memory_fraction * self.capacity_bytes[i] - model[0]) / model[1]), 0))
+        return caps
+
+    def _split(self, batch_size: int, speeds: list[float]) -> list[int]:
+        """Largest-remainder sizes by ``speeds``, capped by memory, >= 1 per device that can hold one when possible."""
+        caps = self._caps(len(speeds))
+        open_ = [c is None or c > 0 for c in caps]
+        sizes = [0] * len(speeds)
+        rest = batch_size
+        while rest > 0:
+            active = [i for i in range(len(speeds)) if open_[i]]
+            if not active:
+                self._raise_infeasible(batch_size, len(speeds))
+            share = proportional_split(rest, [speeds[i] for i in active])
+            if batch_size >= len(speeds):
+                for k, i in enumerate(active):
+                    if sizes[i] == 0 and share[k] == 0 and rest >= len(active):
+                        donor = max(range(len(active)), key=lambda j: share[j])
+                        share[donor] -= 1
+                        share[k] += 1
+            rest = 0
+            for k, i in enumerate(active):
+                cap = caps[i]
+                add = share[k] if cap is None else min(share[k], cap - sizes[i])
+                sizes[i] += add
+                rest += share[k] - add
+                if cap is not None and sizes[i] >= cap:
+                    open_[i] = False
+        return sizes
+
+    def _raise_infeasible(self, batch_size: int, num_devices: int) -> None:
+        assert self.capacity_bytes is not None
+        parts = []
+        for i in range(num_devices):
+            fixed, per_sample = self._memory_model(i) or (0.0, 0.0)
+            parts.append(
+                f"device {i}: capacity {self.capacity_bytes[i]} B x memory_fraction {self.memory_fraction}"
+                f" < predicted {fixed:.0f} B + {per_sample:.0f} B/sample"
+            )
+        raise ValueError(f"AutoSplit: a batch of {batch_size} does not fit in memory; " + "; ".join(parts))
+
+    def _plan(self, batch_size: int, num_devices: int) -> list[int]:
+        if self._planned is None or self._planned_speeds is None or len(self._planned) != num_devices:
+            return even_split(batch_size, num_devices)
+        if batch_size == self._batch_size:
+            return list(self._planned)
+        if not any(self._planned):
+            return even_split(batch_size, num_devices)
+        return proportional_split(batch_size, self._planned)
+
+    def __str__(self) -> str:
+        return 'chunk_sizes="auto"'
+
+    def __repr__(self) -> str:
+        return (
+            f"AutoSplit(profile_steps={self.profile_steps}, memory_fraction={self.memory_fraction},"
+            f" drift_tolerance={self.drift_tolerance}, drift_window={self.drift_window})"
+        )
