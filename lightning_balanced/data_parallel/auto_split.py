@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from lightning_balanced.arguments import check_int, check_real
-from lightning_balanced.data_parallel.split_policy import SplitPolicy, even_split, proportional_split
+from lightning_balanced.data_parallel.split_policy import NAMED_POLICIES, SplitPolicy, even_split, proportional_split
 
 __all__ = ["AutoSplit"]
 
@@ -206,3 +206,6 @@ class AutoSplit(SplitPolicy):
             f"AutoSplit(profile_steps={self.profile_steps}, memory_fraction={self.memory_fraction},"
             f" drift_tolerance={self.drift_tolerance}, drift_window={self.drift_window})"
         )
+
+
+NAMED_POLICIES["auto"] = AutoSplit  # chunk_sizes="auto"

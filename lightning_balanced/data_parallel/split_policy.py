@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -223,6 +223,10 @@ class Weights(SplitPolicy):
 #: Each shorthand argument of :func:`split_policy` and the policy it stands for.
 _SHORTHANDS: dict[str, Any] = {"gpu0_bsz": Gpu0Budget, "chunk_sizes": ChunkSizes, "weights": Weights}
 
+#: Policies named by a string in ``chunk_sizes`` (``chunk_sizes="auto"``), each registered by the module that defines
+#: it (``auto_split`` registers ``"auto"``; the package ``__init__`` imports it), so this module imports none of them.
+NAMED_POLICIES: dict[str, Callable[[], SplitPolicy]] = {}
+
 
 #: The policies' former names, kept (with a ``DeprecationWarning``) until 0.3: old name -> the class.
 _DEPRECATED_NAMES: dict[str, type[SplitPolicy]] = {"ExplicitChunkSizes": ChunkSizes, "WeightedSplit": Weights}
@@ -281,10 +285,8 @@ def split_policy(
     if not given:
         return EvenSplit()
     name, value = given[0]
-    if name == "chunk_sizes" and isinstance(value, str) and value == "auto":
-        from lightning_balanced.data_parallel.auto_split import AutoSplit
-
-        return AutoSplit()
+    if name == "chunk_sizes" and isinstance(value, str) and value in NAMED_POLICIES:
+        return NAMED_POLICIES[value]()
     policy: SplitPolicy = _SHORTHANDS[name](value)
     return policy
 
