@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable
 from types import ModuleType
 
+import bench_cuda  # the same folder: the script runs with it on sys.path
 import torch
 
 from lightning_balanced.ops import batched_nms, batched_nms_padded, nms
@@ -128,24 +129,13 @@ def workload(kind: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
 # --------------------------------------------------------------------------------------------------------------
 
 
-class Clock:
-    """Seconds of one call: CUDA events on a GPU, ``perf_counter`` elsewhere; peak memory of one call on a GPU."""
+class Clock(bench_cuda.Clock):
+    """``bench_cuda.Clock`` (seconds of one call: CUDA events on a GPU, ``perf_counter`` elsewhere), plus the peak
+    memory of one call on a GPU."""
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
         self.device = device
-        self.cuda = device.type == "cuda"
-
-    def time(self, fn: Fn) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3
 
     def peak_bytes(self, fn: Fn) -> int | None:
         """Memory one call adds at its peak (its output included); ``None`` off the GPU."""
