@@ -37,7 +37,7 @@ NAMESPACE = "lightning_balanced"
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 
-def _registered_kernels() -> dict[str, frozenset[str]]:
+def _registered_kernels() -> dict[str, tuple[str, ...]]:
     """Each public op of the extension (its schema name, e.g. ``"nms"``) and the device types it has a kernel for.
 
     Read from the dispatcher, so the list follows the schemas the extension registered (``csrc/ops/<op>.cpp``) and
@@ -48,7 +48,7 @@ def _registered_kernels() -> dict[str, frozenset[str]]:
         return {}
     prefix = f"{NAMESPACE}::"
     return {
-        name.removeprefix(prefix): frozenset(
+        name.removeprefix(prefix): tuple(
             device_type
             for device_type, key in _DISPATCH_KEYS.items()
             if torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
@@ -58,7 +58,9 @@ def _registered_kernels() -> dict[str, frozenset[str]]:
     }
 
 
-_KERNELS: dict[str, frozenset[str]] = _registered_kernels()
+# Tuples, not frozensets: `has_kernel` runs inside `torch.compile`d code, and Dynamo before torch 2.5 cannot trace
+# `frozenset` (tuple membership it can).
+_KERNELS: dict[str, tuple[str, ...]] = _registered_kernels()
 
 _warned = False
 
@@ -70,12 +72,12 @@ def has_compiled_ops() -> bool:
 
 def has_kernel(device_type: str, op: str = "nms") -> bool:
     """Whether the compiled operator ``op`` has a kernel for ``device_type`` (``"cpu"``, ``"cuda"``)."""
-    return device_type in _KERNELS.get(op, frozenset())
+    return device_type in _KERNELS.get(op, ())
 
 
 def registered_kernels() -> dict[str, frozenset[str]]:
     """Each compiled op (``"nms"``, ``"batched_nms"``, ...) and its device types with a kernel; empty without ``_C``."""
-    return dict(_KERNELS)
+    return {op: frozenset(device_types) for op, device_types in _KERNELS.items()}
 
 
 def warn_fallback_once(device_type: str) -> None:

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,11 +58,23 @@ def test_opcheck_batched_nms(n: int) -> None:
     torch.library.opcheck(torch.ops.lightning_balanced.batched_nms.default, (boxes, scores, idxs, 0.4, 0))
 
 
+@pytest.fixture
+def keep_subnormals() -> Iterator[None]:
+    """Give the process back its IEEE subnormals after a test that runs Inductor.
+
+    Inductor of torch < 2.5 builds its CPU kernels with ``-ffast-math``; loading such a library runs gcc's
+    ``crtfastmath``, which turns on flush-to-zero for the whole process, and later tests (hypothesis' float
+    strategies refuse to run without subnormals) would inherit it.
+    """
+    yield
+    torch.set_flush_denormal(False)
+
+
 @RunIf(compiled_ops=True)
 # Inductor itself touches torch.jit.script_method in torch 2.13, which warns; not our code.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_traces_through_nms(backend: str) -> None:
+def test_torch_compile_fullgraph_traces_through_nms(backend: str, keep_subnormals: None) -> None:
     torch._dynamo.reset()
 
     def keep_boxes(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
