@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
 
+from lightning.pytorch.utilities import rank_zero_info
+
 from lightning_balanced.arguments import check_int, check_real
 from lightning_balanced.data_parallel.split_policy import NAMED_POLICIES, SplitPolicy, even_split, proportional_split
 
 __all__ = ["AutoSplit"]
-
-log = logging.getLogger(__name__)
 
 
 def _round_significant(value: float, digits: int = 3) -> float:
@@ -31,12 +30,15 @@ class AutoSplit(SplitPolicy):
     (chunks of 0 ignored), rounded to 3 significant digits so that timing jitter does not change a seeded run's plan:
     the plan is a pure function of the observations. After ``profile_steps`` measured steps it plans sizes proportional
     to speed (``1 / seconds_per_sample``) with largest-remainder rounding (exact sum; every device gets >= 1 sample when
-    ``batch_size >= num_devices`` and it can hold one). With memory observations (``peak_bytes``) and
-    ``capacity_bytes``, a device's chunk is capped at ``floor((memory_fraction * capacity - fixed) / per_sample)`` and
-    the excess goes to the others in proportion to their speed. It re-plans only when a device's median seconds per
-    sample over the last ``drift_window`` steps differs from the one its plan used by more than ``drift_tolerance``
-    (relative). Every plan is logged, one line per device, with a ``chunk_sizes=[...]`` line to pin it. A batch of
-    another size (validation, test, predict, the last batch) gets the last plan's proportions.
+    ``batch_size >= num_devices`` and it can hold one). With memory observations (``peak_bytes``) and a capacity per
+    device (``capacity_bytes``, else what the strategy reads at setup: a GPU's total memory, a virtual device's
+    emulated one), a device's chunk is capped at ``floor((memory_fraction * capacity - fixed) / per_sample)``, with
+    ``fixed`` and ``per_sample`` bytes fitted to its peaks at its last two chunk sizes (from one chunk size,
+    conservatively ``0`` and ``peak / chunk_size``), and the excess goes to the others in proportion to their speed.
+    It re-plans only when a device's median seconds per sample over the last ``drift_window`` steps differs from the
+    one its plan used by more than ``drift_tolerance`` (relative). Every plan is logged, one line per device, with a
+    ``chunk_sizes=[...]`` line to pin it. A batch of another size (validation, test, predict, the last batch) gets the
+    last plan's proportions.
 
     Args:
         profile_steps (int): measured steps before the first plan, >= 1.
@@ -44,7 +46,8 @@ class AutoSplit(SplitPolicy):
         drift_tolerance (float): relative change of a device's seconds per sample that re-plans, > 0.
         drift_window (int): steps in the drift median, >= 1.
         warmup_steps (int): first observed steps ignored (compilation, allocator warm-up), >= 0.
-        capacity_bytes (Sequence[int], optional): memory per device in bytes; ``None``: no memory cap.
+        capacity_bytes (Sequence[int], optional): memory per device in bytes; ``None``: the devices' own (see above),
+            no cap where unknown.
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or out of range, naming it
@@ -73,18 +76,29 @@ class AutoSplit(SplitPolicy):
         self._seen = 0
         self._window: deque[tuple[list[int], list[float]]] = deque(maxlen=max(self.drift_window, self.profile_steps))
         self._memory: list[list[tuple[int, int]]] = []
+        self._capacities: list[int | None] | None = None if self.capacity_bytes is None else [*self.capacity_bytes]
         self._planned: list[int] | None = None
         self._planned_speeds: list[float] | None = None
         self._batch_size = 0
         self.replans = 0
 
-    def observe(self, chunk_sizes: list[int], seconds: list[float], peak_bytes: list[int] | None = None) -> None:
+    def set_capacities(self, capacity_bytes: list[int | None]) -> None:
+        """Each device's memory in bytes, from the strategy at setup; ``capacity_bytes`` given here takes precedence."""
+        if self.capacity_bytes is None and any(c is not None for c in capacity_bytes):
+            self._capacities = list(capacity_bytes)
+
+    def observe(self, chunk_sizes: list[int], seconds: list[float], peak_bytes: list[int | None] | None = None) -> None:
         """Record one training step; re-plan at the end of profiling or on drift (see the class docstring).
 
         Args:
             chunk_sizes (list[int]): samples per device in the step.
             seconds (list[float]): each device's step time in seconds.
-            peak_bytes (list[int], optional): each device's peak memory in the step, in bytes.
+            peak_bytes (list[int | None], optional): each device's peak memory in the step, in bytes (``None``:
+                unknown).
+
+        Raises:
+            ValueError: a (re-)plan finds that the batch cannot fit in the devices' memory caps, whatever the split:
+                the message names each device, its capacity, its predicted need and how many samples it can hold.
         """
         self._seen += 1
         if self._seen <= self.warmup_steps:
@@ -94,20 +108,22 @@ class AutoSplit(SplitPolicy):
             if not self._memory:
                 self._memory = [[] for _ in chunk_sizes]
             for i, (n, b) in enumerate(zip(chunk_sizes, peak_bytes, strict=True)):
-                if n > 0 and (not self._memory[i] or self._memory[i][-1][0] != n):
+                if n > 0 and b is not None and (not self._memory[i] or self._memory[i][-1][0] != n):
                     self._memory[i] = [*self._memory[i][-1:], (n, int(b))]
         total = sum(chunk_sizes)
         measured = self._seen - self.warmup_steps
         if self._planned_speeds is None:
             if measured >= self.profile_steps:
-                self._replan(total, len(chunk_sizes))
+                self._replan(total, len(chunk_sizes), f"after {measured} profiled steps")
             return
         recent = self.seconds_per_sample(len(chunk_sizes), self.drift_window)
-        if any(
-            r is not None and abs(r - p) > self.drift_tolerance * p
-            for r, p in zip(recent, self._planned_speeds, strict=True)
-        ):
-            self._replan(total, len(chunk_sizes))
+        drifted = [
+            f"device {i} {p:.3g} -> {r:.3g} s/sample"
+            for i, (r, p) in enumerate(zip(recent, self._planned_speeds, strict=True))
+            if r is not None and abs(r - p) > self.drift_tolerance * p
+        ]
+        if drifted:
+            self._replan(total, len(chunk_sizes), f"on drift ({', '.join(drifted)})")
 
     def seconds_per_sample(self, num_devices: int, last: int | None = None) -> list[float | None]:
         """Each device's median ``seconds / chunk_size`` over the last ``last`` steps, to 3 significant digits."""
@@ -119,14 +135,22 @@ class AutoSplit(SplitPolicy):
         return out
 
     def _memory_model(self, device: int) -> tuple[float, float] | None:
-        """``(fixed_bytes, bytes_per_sample)`` of ``device`` from its last two chunk sizes' peaks, or ``None``."""
-        if not self._memory or len(self._memory[device]) < 2:
+        """``(fixed_bytes, bytes_per_sample)`` of ``device``, or ``None`` before its first memory observation.
+
+        From the peaks at its last two chunk sizes, the line through them (slope >= 0); from a single chunk size, the
+        conservative ``(0, peak / chunk_size)``, which over-predicts any larger chunk (it charges the fixed part to
+        every sample) and so never lets a plan exceed the cap.
+        """
+        if not self._memory or not self._memory[device]:
             return None
+        if len(self._memory[device]) == 1:
+            ((n, b),) = self._memory[device]
+            return 0.0, b / n
         (n0, b0), (n1, b1) = self._memory[device][-2:]
         per_sample = max((b1 - b0) / (n1 - n0), 0.0)
         return max(b1 - per_sample * n1, 0.0), per_sample
 
-    def _replan(self, batch_size: int, num_devices: int) -> None:
+    def _replan(self, batch_size: int, num_devices: int, reason: str) -> None:
         rates = self.seconds_per_sample(num_devices, self.drift_window)
         known = [r for r in rates if r is not None and r > 0]
         fallback = statistics.median(known) if known else 1.0
@@ -135,20 +159,24 @@ class AutoSplit(SplitPolicy):
         self._batch_size = batch_size
         self._planned = self._split(batch_size, [1.0 / r for r in rates_used])
         self.replans += 1
+        lines = [f"AutoSplit plan {self.replans}, {reason}: a batch of {batch_size} as {self._planned}"]
         for i, (n, r) in enumerate(zip(self._planned, rates_used, strict=True)):
             model = self._memory_model(i)
             memory = "" if model is None else f", {model[1]:.0f} B/sample + {model[0]:.0f} B fixed"
-            log.info("AutoSplit device %d: chunk %d, %.3g s/sample%s", i, n, r, memory)
-        log.info("AutoSplit plan, to pin it: chunk_sizes=%s", self._planned)
+            lines.append(f"  device {i}: {n} samples, {r:.3g} s/sample{memory}")
+        lines.append(f"  to pin it: chunk_sizes={self._planned}")
+        rank_zero_info("\n".join(lines))
 
     def _caps(self, num_devices: int) -> list[int | None]:
+        """The most samples each device can hold, ``None`` where its capacity or its memory model is unknown."""
         caps: list[int | None] = []
         for i in range(num_devices):
             model = self._memory_model(i)
-            if model is None or self.capacity_bytes is None or model[1] <= 0:
+            capacity = None if self._capacities is None or i >= len(self._capacities) else self._capacities[i]
+            if model is None or capacity is None or model[1] <= 0:
                 caps.append(None)
             else:
-                caps.append(max(math.floor((self.memory_fraction * self.capacity_bytes[i] - model[0]) / model[1]), 0))
+                caps.append(max(math.floor((self.memory_fraction * capacity - model[0]) / model[1]), 0))
         return caps
 
     def _split(self, batch_size: int, speeds: list[float]) -> list[int]:
@@ -179,15 +207,27 @@ class AutoSplit(SplitPolicy):
         return sizes
 
     def _raise_infeasible(self, batch_size: int, num_devices: int) -> None:
-        assert self.capacity_bytes is not None
+        assert self._capacities is not None
+        caps = self._caps(num_devices)
         parts = []
-        for i in range(num_devices):
+        for i, cap in enumerate(caps):
             fixed, per_sample = self._memory_model(i) or (0.0, 0.0)
             parts.append(
-                f"device {i}: capacity {self.capacity_bytes[i]} B x memory_fraction {self.memory_fraction}"
-                f" < predicted {fixed:.0f} B + {per_sample:.0f} B/sample"
+                f"device {i}: capacity {self._capacities[i]} B x memory_fraction {self.memory_fraction}, predicted"
+                f" {fixed:.0f} B + {per_sample:.0f} B/sample: at most {cap} samples"
             )
-        raise ValueError(f"AutoSplit: a batch of {batch_size} does not fit in memory; " + "; ".join(parts))
+        need = min(
+            (
+                fixed + per_sample * batch_size
+                for fixed, per_sample in filter(None, map(self._memory_model, range(num_devices)))
+            ),
+            default=0.0,
+        )
+        raise ValueError(
+            f"AutoSplit: a batch of {batch_size} does not fit in the devices' memory whatever the split: they hold at"
+            f" most {sum(c or 0 for c in caps)} samples ({'; '.join(parts)}); the whole batch on the cheapest device"
+            f" would need {need:.0f} B. Lower the batch size, raise `memory_fraction`, or add devices"
+        )
 
     def _plan(self, batch_size: int, num_devices: int) -> list[int]:
         if self._planned is None or self._planned_speeds is None or len(self._planned) != num_devices:

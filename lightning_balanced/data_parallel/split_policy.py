@@ -11,7 +11,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 from lightning_balanced.arguments import check_int, check_real
 
@@ -88,15 +88,29 @@ class SplitPolicy(ABC):
     def check_devices(self, num_devices: int) -> None:  # noqa: B027 (most policies serve any device count)
         """Raise ``ValueError`` when the policy cannot serve ``num_devices`` devices (a per-device list's length)."""
 
-    def observe(self, chunk_sizes: list[int], seconds: list[float]) -> None:  # noqa: B027 (most policies do not learn)
+    def set_capacities(self, capacity_bytes: list[int | None]) -> None:  # noqa: B027 (most policies ignore memory)
+        """Learn each device's memory, in bytes (``None``: unknown), once at setup, before the first plan.
+
+        The strategy gives a GPU's total memory (``torch.cuda.get_device_properties(d).total_memory``, divided among
+        the replicas that share that GPU) and, on the CPU emulation, a virtual device's emulated capacity
+        (:class:`~lightning_balanced.data_parallel.virtual_device.EmulatedDevice`), else ``None``. It is called only
+        for a policy that overrides :meth:`observe`.
+        """
+
+    def observe(  # noqa: B027 (most policies do not learn)
+        self, chunk_sizes: list[int], seconds: list[float], peak_bytes: list[int | None] | None = None
+    ) -> None:
         """Learn from a training step that ran: ``seconds[i]`` is how long device ``i`` took for ``chunk_sizes[i]``.
 
         Both lists have one entry per device: ``chunk_sizes`` is what :meth:`plan` answered for the step, and a device
         planned ``0`` samples has ``0.0`` seconds. The time is that of the step method (``training_step``: the
         forward pass and the loss) on the device, taken with CUDA events on the replica's stream on a GPU (the host
         waits for the step's forward pass to read them) and with the host's clock on the CPU; the backward pass runs
-        later, for all replicas at once, and is not in it. The strategy times the steps only for a policy that
-        overrides this method: the others cost nothing.
+        later, for all replicas at once, and is not in it. ``peak_bytes[i]`` is device ``i``'s memory at the end of
+        the step method, in bytes, or ``None`` where it is not known: on a GPU ``torch.cuda.max_memory_allocated``
+        since the step began (the parameters, the optimizer state, what earlier replicas on that GPU hold, the step's
+        activations), on a virtual CPU device the replica's parameters and buffers plus the activations saved for
+        backward. The strategy times the steps only for a policy that overrides this method: the others cost nothing.
         """
 
     def plan(self, batch_size: int, num_devices: int) -> list[int]:
@@ -246,7 +260,7 @@ def __getattr__(name: str) -> Any:
 
 def split_policy(
     gpu0_bsz: int | None = None,
-    chunk_sizes: Sequence[int] | None = None,
+    chunk_sizes: Sequence[int] | Literal["auto"] | None = None,
     weights: Sequence[float] | None = None,
     *,
     split: SplitPolicy | None = None,
@@ -259,7 +273,8 @@ def split_policy(
     be given.
 
     Raises:
-        TypeError: ``split`` is not a :class:`SplitPolicy`, a size is not an integer, or a weight not a real number.
+        TypeError: ``split`` is not a :class:`SplitPolicy`, a size is not an integer (``chunk_sizes`` a string other
+            than ``"auto"``), or a weight not a real number.
         ValueError: more than one option, a negative size, ``chunk_sizes`` all zero, a weight that is not positive
             and finite.
     """
@@ -285,7 +300,10 @@ def split_policy(
     if not given:
         return EvenSplit()
     name, value = given[0]
-    if name == "chunk_sizes" and isinstance(value, str) and value in NAMED_POLICIES:
+    if name == "chunk_sizes" and isinstance(value, str):
+        if value not in NAMED_POLICIES:
+            named = " or ".join(repr(n) for n in sorted(NAMED_POLICIES))
+            raise TypeError(f"`chunk_sizes` must be a sequence of integers or {named}, got {value!r}")
         return NAMED_POLICIES[value]()
     policy: SplitPolicy = _SHORTHANDS[name](value)
     return policy

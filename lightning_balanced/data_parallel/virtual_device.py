@@ -26,14 +26,32 @@ with anything. Devices without an index (``torch.device("cpu")``) have no identi
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["HOST", "VirtualDeviceMode", "VirtualDeviceTensor", "device_of", "on_device", "virtual_devices"]
+from lightning_balanced.arguments import check_int, check_real
+
+__all__ = [
+    "HOST",
+    "EmulatedDevice",
+    "EmulatedOutOfMemoryError",
+    "EmulatedStep",
+    "VirtualDeviceMode",
+    "VirtualDeviceTensor",
+    "device_of",
+    "emulate_devices",
+    "emulated_device",
+    "emulated_step",
+    "on_device",
+    "virtual_devices",
+]
 
 HOST = -1
 """The index that tags a host tensor made inside a replica (shown as ``cpu``)."""
@@ -254,3 +272,131 @@ def on_device(tensor: Tensor, device: torch.device) -> Tensor:
 def device_of(tensor: Tensor) -> torch.device:
     """The device ``tensor`` is on, virtual CPU devices included (a plain CPU tensor is on ``cpu``)."""
     return tensor.device
+
+
+# ---- a testing aid: virtual devices of different speeds and memory capacities ---------------------------------------
+
+
+@dataclass(frozen=True)
+class EmulatedDevice:
+    """How one virtual device of the CPU emulation differs from the host: a **testing aid**, not a user feature.
+
+    Real mixed GPUs differ in speed and memory; virtual devices all share the host's cores and memory. So that the
+    code that reacts to such differences (``chunk_sizes="auto"``, :class:`~lightning_balanced.AutoSplit`) can be
+    tested and benchmarked without mixed GPUs, :func:`emulate_devices` gives each virtual device:
+
+    Args:
+        slowdown (float): how many times slower than the host the device runs its step method, >= 1: after the step
+            method (the forward pass and the loss) ran for ``t`` seconds on the replica's thread, the thread sleeps
+            ``(slowdown - 1) * t``, so the device is busy ``slowdown * t`` while the other replicas run. The backward
+            pass, which the emulation runs on the host for all replicas, is not stretched.
+        capacity_bytes (int, optional): the device's memory in bytes. A step whose memory on the device
+            (:func:`emulated_step`'s ``peak_bytes``) exceeds it raises ``torch.OutOfMemoryError``-like
+            :class:`EmulatedOutOfMemoryError`, as a GPU would run out of memory. ``None``: unlimited.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or out of range, naming it.
+    """
+
+    slowdown: float = 1.0
+    capacity_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        check_real("slowdown", self.slowdown, minimum=1.0)
+        if self.capacity_bytes is not None:
+            check_int("capacity_bytes", self.capacity_bytes, minimum=1)
+
+
+class EmulatedOutOfMemoryError(RuntimeError):
+    """A virtual device of the CPU emulation ran out of its emulated memory (:class:`EmulatedDevice`)."""
+
+
+_EMULATED: dict[int, EmulatedDevice] = {}
+
+
+@contextmanager
+def emulate_devices(devices: Sequence[EmulatedDevice]) -> Iterator[None]:
+    """Within the block, virtual device ``cpu:i`` behaves as ``devices[i]``: a testing aid (:class:`EmulatedDevice`).
+
+    Example: ``with emulate_devices([EmulatedDevice(), EmulatedDevice(slowdown=2.0)]): trainer.fit(model)`` trains
+    on two virtual devices, the second half as fast as the first.
+
+    Raises:
+        TypeError: an entry is not an :class:`EmulatedDevice`.
+        RuntimeError: another :func:`emulate_devices` block is active (they do not nest).
+    """
+    for i, device in enumerate(devices):
+        if not isinstance(device, EmulatedDevice):
+            raise TypeError(f"`devices[{i}]` must be an EmulatedDevice, got {device!r} of type {type(device).__name__}")
+    if _EMULATED:
+        raise RuntimeError("emulate_devices() blocks do not nest: another one is active")
+    _EMULATED.update(enumerate(devices))
+    try:
+        yield
+    finally:
+        _EMULATED.clear()
+
+
+def emulated_device(device: torch.device) -> EmulatedDevice | None:
+    """The :class:`EmulatedDevice` that virtual device ``device`` emulates now, or ``None`` (any other device)."""
+    if device.type != "cpu" or device.index is None:
+        return None
+    return _EMULATED.get(device.index)
+
+
+@dataclass
+class EmulatedStep:
+    """What :func:`emulated_step` measured: ``peak_bytes``, the step's memory on the virtual device, in bytes."""
+
+    peak_bytes: int = 0
+
+
+@contextmanager
+def emulated_step(
+    device: torch.device, resident_bytes: int = 0, measure_memory: bool = False
+) -> Iterator[EmulatedStep]:
+    """Run a replica's step method on virtual device ``device`` as its :class:`EmulatedDevice` would.
+
+    Its memory, ``peak_bytes``, is ``resident_bytes`` (what stays on the device: the replica's parameters and buffers)
+    plus the bytes of the tensors autograd saves for the backward pass during the step (its activations, each tensor
+    counted once), read with ``torch.autograd.graph.saved_tensors_hooks`` on the replica's thread; it is measured when
+    ``measure_memory`` is set or the device has an emulated ``capacity_bytes`` (else it stays 0). With an emulated
+    device, the step is then stretched by its ``slowdown``, and a ``peak_bytes`` above its ``capacity_bytes`` raises
+    :class:`EmulatedOutOfMemoryError`.
+    """
+    emulated = emulated_device(device)
+    measure_memory = measure_memory or (emulated is not None and emulated.capacity_bytes is not None)
+    measured = EmulatedStep()
+    if emulated is None and not measure_memory:
+        yield measured
+        return
+    seen: set[tuple[int, int]] = set()
+    saved = 0
+
+    def pack(tensor: Tensor) -> Tensor:
+        nonlocal saved
+        with torch._C.DisableTorchFunctionSubclass():
+            key = (tensor.data_ptr(), tensor.numel())
+            if key not in seen and tensor.device.type == "cpu":
+                seen.add(key)
+                saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    began = time.perf_counter()
+    if measure_memory:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield measured
+        measured.peak_bytes = resident_bytes + saved
+    else:
+        yield measured
+    took = time.perf_counter() - began
+    if emulated is None:
+        return
+    if emulated.capacity_bytes is not None and measured.peak_bytes > emulated.capacity_bytes:
+        raise EmulatedOutOfMemoryError(
+            f"virtual device {device} out of memory (CPU emulation): the step needs {measured.peak_bytes} B"
+            f" ({resident_bytes} B resident + {saved} B of activations), its emulated capacity is"
+            f" {emulated.capacity_bytes} B"
+        )
+    if emulated.slowdown > 1.0:
+        time.sleep((emulated.slowdown - 1.0) * took)

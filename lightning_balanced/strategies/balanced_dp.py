@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +46,7 @@ from lightning_balanced.data_parallel.replica_context import (
     share_metrics,
 )
 from lightning_balanced.data_parallel.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
+from lightning_balanced.data_parallel.virtual_device import emulated_device, emulated_step
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 _REPORT_MEMORY_AFTER_STEPS = 3
@@ -54,15 +56,17 @@ _REPLICA_TIMEOUT_S = 120.0
 _BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when training"
 
 
-class _ReplicaTimes:
-    """How long each replica's step method took, for a split policy that observes (:meth:`SplitPolicy.observe`).
+class _ReplicaProfile:
+    """Each replica's step-method time and memory, for a split policy that observes (:meth:`SplitPolicy.observe`).
 
     On CUDA, two events on the replica's stream (current in its thread), read after the step; elsewhere the host clock.
+    ``peak_bytes`` is filled by the virtual CPU devices (:func:`emulated_step`); the strategy reads a GPU's.
     """
 
     def __init__(self, count: int, on_cuda: bool) -> None:
         self._on_cuda = on_cuda
         self._marks: list[Any] = [None] * count
+        self.peak_bytes: list[int | None] = [None] * count
 
     @contextmanager
     def measure(self, index: int) -> Iterator[None]:
@@ -92,7 +96,9 @@ class _StepCall:
     inference_mode: bool
     barrier: ReplicaBarrier
     replica_index: int
-    times: _ReplicaTimes | None = None
+    device: torch.device
+    resident_bytes: int = 0
+    profile: _ReplicaProfile | None = None
 
 
 class _StepDispatcher(Module):
@@ -119,12 +125,19 @@ class _StepDispatcher(Module):
 
     @override
     def forward(self, call: _StepCall, *args: Any, **kwargs: Any) -> Any:
+        profile = call.profile
         try:
-            with torch.inference_mode(call.inference_mode), self._step_context(call.name):
-                if call.times is None:
-                    return getattr(self.module, call.name)(*args, **kwargs)
-                with call.times.measure(call.replica_index):
-                    return getattr(self.module, call.name)(*args, **kwargs)
+            with torch.inference_mode(call.inference_mode), self._step_context(call.name), ExitStack() as measures:
+                if profile is not None:
+                    measures.enter_context(profile.measure(call.replica_index))
+                # A virtual CPU device as emulated (a testing aid: speed, memory), its memory read for the profile.
+                emulated = measures.enter_context(
+                    emulated_step(call.device, call.resident_bytes, measure_memory=profile is not None)
+                )
+                result = getattr(self.module, call.name)(*args, **kwargs)
+            if profile is not None and call.device.type == "cpu":
+                profile.peak_bytes[call.replica_index] = emulated.peak_bytes
+            return result
         except BaseException as err:
             call.barrier.abort(call.replica_index, err)  # releases the replicas waiting for this one
             raise
@@ -142,7 +155,7 @@ class BalancedDataParallel(SingleProcess):
     def __init__(
         self,
         gpu0_bsz: int | None = None,
-        chunk_sizes: Sequence[int] | None = None,
+        chunk_sizes: Sequence[int] | Literal["auto"] | None = None,
         weights: Sequence[float] | None = None,
         split: SplitPolicy | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
@@ -166,6 +179,8 @@ class BalancedDataParallel(SingleProcess):
         self.split = split_policy(gpu0_bsz, chunk_sizes, weights, split=split)
         # Only a policy that learns from the steps (overrides `observe`) has its replicas timed.
         self._split_observes = type(self.split).observe is not SplitPolicy.observe
+        # ... and is given the devices' memory when its `observe` takes `peak_bytes` (a two-argument one still works).
+        self._split_observes_memory = "peak_bytes" in inspect.signature(self.split.observe).parameters
         self.loss_reduction = loss_reduction
         self.sync_batchnorm = sync_batchnorm
         self._batchnorm_synced = False
@@ -178,6 +193,7 @@ class BalancedDataParallel(SingleProcess):
         self._metrics: dict[str, Metric] = {}
         self._plan_reported = False
         self._training_steps = 0
+        self._resident_bytes = 0
 
     @property
     def gpu0_bsz(self) -> int | None:
@@ -219,6 +235,12 @@ class BalancedDataParallel(SingleProcess):
         # Found once here; each step follows their paths in the replicas instead of searching the replicas' trees.
         self._batchnorm_layers = SyncBatchNormLayers(self.lightning_module) if self._batchnorm_synced else None
         self._metrics = find_metrics(self.lightning_module)
+        self._resident_bytes = sum(
+            t.numel() * t.element_size()
+            for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())
+        )
+        if self._split_observes:
+            self.split.set_capacities(self._capacities())
         if num_devices > 1 and self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=num_devices - 1, thread_name_prefix="balanced_dp")
         # On CUDA, a stream per replica (not per device), so replicas that share a GPU still run side by side.
@@ -310,8 +332,14 @@ class BalancedDataParallel(SingleProcess):
 
         inference_mode = torch.is_inference_mode_enabled()
         observed = step_name == "training_step" and self._split_observes and batch_size > 0
-        times = _ReplicaTimes(len(replicas), self.root_device.type == "cuda") if observed else None
-        inputs = [(_StepCall(step_name, inference_mode, barrier, i, times), *a) for i, (a, _) in enumerate(scattered)]
+        profile = _ReplicaProfile(len(replicas), self.root_device.type == "cuda") if observed else None
+        if profile is not None and self.root_device.type == "cuda":
+            for device in set(run_devices):
+                torch.cuda.reset_peak_memory_stats(device)
+        inputs = [
+            (_StepCall(step_name, inference_mode, barrier, i, run_devices[i], self._resident_bytes, profile), *a)
+            for i, (a, _) in enumerate(scattered)
+        ]
         failure: BaseException | None = None
         try:
             streams = [self._streams[i] for i in run] if self._streams else None
@@ -322,15 +350,19 @@ class BalancedDataParallel(SingleProcess):
             failure = self._replica_error(wrapped, barrier, step_name, batch_size, planned, run_devices)
         if failure is not None:
             raise failure  # outside the handler: the replica's own exception, not chained to the wrapped copy
-        if times is not None:
-            seconds = [0.0] * len(planned)
-            for i, took in zip(run, times.seconds(), strict=True):
-                seconds[i] = took
-            self.split.observe(list(planned), seconds)
         replay_logs(module, recorders, chunk_sizes)
+        gathered = gather(outputs, self.root_device, chunk_sizes, loss_reduction=self.loss_reduction)
+        if profile is not None:  # after the gather, so that device 0's peak includes the gathered outputs
+            seconds = [0.0] * len(planned)
+            for i, took in zip(run, profile.seconds(), strict=True):
+                seconds[i] = took
+            if self._split_observes_memory:
+                self.split.observe(list(planned), seconds, peak_bytes=self._peak_bytes(profile, run))
+            else:
+                self.split.observe(list(planned), seconds)
         if step_name == "training_step":
             self._report_memory()
-        return gather(outputs, self.root_device, chunk_sizes, loss_reduction=self.loss_reduction)
+        return gathered
 
     def _replica_error(
         self,
@@ -367,6 +399,20 @@ class BalancedDataParallel(SingleProcess):
         if hasattr(error, "add_note"):
             error.add_note(f"(raised in balanced_dp replica {index} on {run_devices[index]})")
         return error
+
+    def _capacities(self) -> list[int | None]:
+        """Each device's memory in bytes: a GPU's total memory shared by its replicas; a virtual device's emulated."""
+        if self.root_device.type == "cuda":
+            return [torch.cuda.get_device_properties(d).total_memory // self._devices.count(d) for d in self._devices]
+        return [None if (e := emulated_device(d)) is None else e.capacity_bytes for d in self._devices]
+
+    def _peak_bytes(self, profile: _ReplicaProfile, run: list[int]) -> list[int | None]:
+        """Each device's memory in the step (``None`` for a device left out): a GPU's peak, a virtual device's own."""
+        peaks: list[int | None] = [None] * len(self._devices)
+        for k, i in enumerate(run):
+            device = self._devices[i]
+            peaks[i] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else profile.peak_bytes[k]
+        return peaks
 
     def _report_plan(self, batch_size: int, planned: list[int]) -> None:
         if self._plan_reported:
@@ -461,12 +507,17 @@ class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
               proportions.
             * ``Weights(weights)``: relative capacity per device (e.g. memory of mixed GPUs); each batch is split
               proportionally with largest-remainder rounding.
+            * ``AutoSplit(...)``: sizes by each device's speed and memory, measured during the first training steps
+              and re-measured on drift (:class:`~lightning_balanced.AutoSplit`); validation, test and predict use the
+              last plan's proportions.
             * a subclass of your own (see :class:`~lightning_balanced.SplitPolicy`).
 
             In a LightningCLI config: ``split: {class_path: lightning_balanced.Gpu0Budget, init_args: {gpu0_bsz:
             14}}``.
         gpu0_bsz: short for ``split=Gpu0Budget(gpu0_bsz)``.
-        chunk_sizes: short for ``split=ChunkSizes(chunk_sizes)``.
+        chunk_sizes: short for ``split=ChunkSizes(chunk_sizes)``; ``"auto"`` is short for ``split=AutoSplit()``:
+            the sizes are chosen by each device's measured speed and memory (see
+            :class:`~lightning_balanced.AutoSplit`), and each plan is logged with the ``chunk_sizes=[...]`` to pin it.
         weights: short for ``split=Weights(weights)``.
         loss_reduction: how the step's 0-dim floating outputs combine across replicas: ``"mean"`` (the step returns
             the mean over its chunk, the default) weights each by its chunk's share of the batch; ``"sum"`` (the step

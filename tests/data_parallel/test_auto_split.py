@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -62,23 +63,56 @@ def test_plan_is_deterministic_despite_jitter_below_rounding() -> None:
 
 def test_memory_cap_binds_and_excess_goes_to_others() -> None:
     policy = AutoSplit(profile_steps=2, warmup_steps=0, memory_fraction=0.5, capacity_bytes=[2000, 10**9])
-    for sizes in ([10, 10], [12, 8], [10, 10]):
+    for sizes in ([20, 20], [22, 18]):
         policy.observe(sizes, [n * 0.01 for n in sizes], peak_bytes=[100 + 50 * n for n in sizes])
-    # device 0 holds floor((0.5 * 2000 - 100) / 50) = 18 samples at most
-    policy._replan(40, 2)
+    # Equal speeds plan [20, 20], but device 0 holds floor((0.5 * 2000 - 100) / 50) = 18 samples at most.
     assert policy.plan(40, 2) == [18, 22]
 
 
+def test_one_memory_observation_caps_conservatively() -> None:
+    # One chunk size only: fixed bytes unknown, so all of the peak is charged per sample (1100 / 20 = 55 B).
+    policy = AutoSplit(profile_steps=1, warmup_steps=0, memory_fraction=0.5, capacity_bytes=[2000, 10**9])
+    policy.observe([20, 20], [0.2, 0.2], peak_bytes=[1100, 1100])
+    assert policy.plan(40, 2) == [18, 22]  # floor(1000 / 55) = 18
+
+
+def test_capacities_from_the_strategy_unless_given() -> None:
+    policy = AutoSplit(profile_steps=2, warmup_steps=0, memory_fraction=0.5)
+    policy.set_capacities([2000, None])
+    for sizes in ([20, 20], [22, 18]):
+        policy.observe(sizes, [n * 0.01 for n in sizes], peak_bytes=[100 + 50 * sizes[0], None])
+    assert policy.plan(40, 2) == [18, 22]
+    given = AutoSplit(profile_steps=2, warmup_steps=0, memory_fraction=0.5, capacity_bytes=[10**9, 10**9])
+    given.set_capacities([2000, None])
+    for sizes in ([20, 20], [22, 18]):
+        given.observe(sizes, [n * 0.01 for n in sizes], peak_bytes=[100 + 50 * sizes[0], None])
+    assert given.plan(40, 2) == [20, 20]
+
+
 def test_infeasible_batch_raises_naming_each_device() -> None:
-    policy = AutoSplit(profile_steps=1, warmup_steps=0, memory_fraction=0.5, capacity_bytes=[2000, 2000])
-    policy.observe([10, 10], [0.1, 0.1], peak_bytes=[600, 600])
+    policy = AutoSplit(profile_steps=2, warmup_steps=0, memory_fraction=0.5, capacity_bytes=[2000, 2000])
+    policy.observe([20, 20], [0.2, 0.2], peak_bytes=[1100, 1100])
     with raises_exactly(
         ValueError,
-        "AutoSplit: a batch of 40 does not fit in memory; device 0: capacity 2000 B x memory_fraction 0.5 < predicted"
-        " 100 B + 50 B/sample; device 1: capacity 2000 B x memory_fraction 0.5 < predicted 100 B + 50 B/sample",
+        "AutoSplit: a batch of 40 does not fit in the devices' memory whatever the split: they hold at most 36 samples"
+        " (device 0: capacity 2000 B x memory_fraction 0.5, predicted 100 B + 50 B/sample: at most 18 samples;"
+        " device 1: capacity 2000 B x memory_fraction 0.5, predicted 100 B + 50 B/sample: at most 18 samples); the"
+        " whole batch on the cheapest device would need 2100 B. Lower the batch size, raise `memory_fraction`, or add"
+        " devices",
     ):
-        policy.observe([12, 12], [0.12, 0.12], peak_bytes=[700, 700])
-        policy._replan(40, 2)
+        policy.observe([22, 18], [0.22, 0.18], peak_bytes=[1200, 1000])
+
+
+def test_each_plan_is_logged_with_the_line_to_pin_it(caplog: pytest.LogCaptureFixture) -> None:
+    policy = AutoSplit(profile_steps=2)
+    with caplog.at_level(logging.INFO):
+        _feed(policy, 3, [0.02, 0.01], 30)
+    assert caplog.messages == [
+        "AutoSplit plan 1, after 2 profiled steps: a batch of 30 as [10, 20]\n"
+        "  device 0: 10 samples, 0.02 s/sample\n"
+        "  device 1: 20 samples, 0.01 s/sample\n"
+        "  to pin it: chunk_sizes=[10, 20]"
+    ]
 
 
 @pytest.mark.parametrize(
