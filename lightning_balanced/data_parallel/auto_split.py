@@ -35,16 +35,18 @@ class AutoSplit(SplitPolicy):
     emulated one), a device's chunk is capped at ``floor((memory_fraction * capacity - fixed) / per_sample)``, with
     ``fixed`` and ``per_sample`` bytes fitted to its peaks at its last two chunk sizes (from one chunk size,
     conservatively ``0`` and ``peak / chunk_size``), and the excess goes to the others in proportion to their speed.
-    It re-plans only when a device's median seconds per sample over the last ``drift_window`` steps differs from the
-    one its plan used by more than ``drift_tolerance`` (relative). Every plan is logged, one line per device, with a
-    ``chunk_sizes=[...]`` line to pin it. A batch of another size (validation, test, predict, the last batch) gets the
-    last plan's proportions.
+    It re-plans only when a device's seconds per sample differs from the one its plan used by more than
+    ``drift_tolerance`` (relative) in each of the last ``drift_window`` steps, all in the same direction (a lasting
+    change of speed, never a spike), and then from the medians over those steps. Every plan is logged, one line per
+    device, with a ``chunk_sizes=[...]`` line to pin it. A batch of another size (validation, test, predict, the last
+    batch) gets the last plan's proportions.
 
     Args:
         profile_steps (int): measured steps before the first plan, >= 1.
         memory_fraction (float): the share of each device's capacity a chunk may use, in (0, 1].
         drift_tolerance (float): relative change of a device's seconds per sample that re-plans, > 0.
-        drift_window (int): steps in the drift median, >= 1.
+        drift_window (int): consecutive steps the change must last to re-plan (and the steps the new plan is
+            measured on), >= 1.
         warmup_steps (int): first observed steps ignored (compilation, allocator warm-up), >= 0.
         capacity_bytes (Sequence[int], optional): memory per device in bytes; ``None``: the devices' own (see above),
             no cap where unknown.
@@ -120,10 +122,22 @@ class AutoSplit(SplitPolicy):
         drifted = [
             f"device {i} {p:.3g} -> {r:.3g} s/sample"
             for i, (r, p) in enumerate(zip(recent, self._planned_speeds, strict=True))
-            if r is not None and abs(r - p) > self.drift_tolerance * p
+            if r is not None and self._sustained_drift(i, p)
         ]
         if drifted:
             self._replan(total, len(chunk_sizes), f"on drift ({', '.join(drifted)})")
+
+    def _sustained_drift(self, device: int, planned: float) -> bool:
+        """Whether ``device``'s last ``drift_window`` steps are all off ``planned`` s/sample, in the same direction.
+
+        Off means by more than ``drift_tolerance`` (relative): a change of speed, not a spike of noise.
+        """
+        steps = list(self._window)[-self.drift_window :]
+        rates = [s[device] / n[device] for n, s in steps if device < len(n) and n[device] > 0]
+        if len(rates) < self.drift_window:
+            return False
+        bound = self.drift_tolerance * planned
+        return all(r > planned + bound for r in rates) or all(r < planned - bound for r in rates)
 
     def seconds_per_sample(self, num_devices: int, last: int | None = None) -> list[float | None]:
         """Each device's median ``seconds / chunk_size`` over the last ``last`` steps, to 3 significant digits."""
