@@ -290,6 +290,10 @@ class EmulatedDevice:
             method (the forward pass and the loss) ran for ``t`` seconds on the replica's thread, the thread sleeps
             ``(slowdown - 1) * t``, so the device is busy ``slowdown * t`` while the other replicas run. The backward
             pass, which the emulation runs on the host for all replicas, is not stretched.
+        seconds_per_sample (float): device work per sample of the chunk, in seconds, >= 0, slept on the replica's
+            thread during its step method (so ``t`` above includes it). It models a GPU-bound job, where the device
+            works while the host only launches kernels and waits; without it the virtual devices' work is the
+            host's own compute, which they share.
         capacity_bytes (int, optional): the device's memory in bytes. A step whose memory on the device
             (:func:`emulated_step`'s ``peak_bytes``) exceeds it raises ``torch.OutOfMemoryError``-like
             :class:`EmulatedOutOfMemoryError`, as a GPU would run out of memory. ``None``: unlimited.
@@ -300,9 +304,11 @@ class EmulatedDevice:
 
     slowdown: float = 1.0
     capacity_bytes: int | None = None
+    seconds_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
         check_real("slowdown", self.slowdown, minimum=1.0)
+        check_real("seconds_per_sample", self.seconds_per_sample, minimum=0.0)
         if self.capacity_bytes is not None:
             check_int("capacity_bytes", self.capacity_bytes, minimum=1)
 
@@ -353,7 +359,7 @@ class EmulatedStep:
 
 @contextmanager
 def emulated_step(
-    device: torch.device, resident_bytes: int = 0, measure_memory: bool = False
+    device: torch.device, resident_bytes: int = 0, measure_memory: bool = False, samples: int = 0
 ) -> Iterator[EmulatedStep]:
     """Run a replica's step method on virtual device ``device`` as its :class:`EmulatedDevice` would.
 
@@ -361,8 +367,8 @@ def emulated_step(
     plus the bytes of the tensors autograd saves for the backward pass during the step (its activations, each tensor
     counted once), read with ``torch.autograd.graph.saved_tensors_hooks`` on the replica's thread; it is measured when
     ``measure_memory`` is set or the device has an emulated ``capacity_bytes`` (else it stays 0). With an emulated
-    device, the step is then stretched by its ``slowdown``, and a ``peak_bytes`` above its ``capacity_bytes`` raises
-    :class:`EmulatedOutOfMemoryError`.
+    device, the step then does its ``seconds_per_sample * samples`` of device work and is stretched by its
+    ``slowdown``, and a ``peak_bytes`` above its ``capacity_bytes`` raises :class:`EmulatedOutOfMemoryError`.
     """
     emulated = emulated_device(device)
     measure_memory = measure_memory or (emulated is not None and emulated.capacity_bytes is not None)
@@ -389,9 +395,11 @@ def emulated_step(
         measured.peak_bytes = resident_bytes + saved
     else:
         yield measured
-    took = time.perf_counter() - began
     if emulated is None:
         return
+    if emulated.seconds_per_sample > 0.0:
+        time.sleep(emulated.seconds_per_sample * samples)
+    took = time.perf_counter() - began
     if emulated.capacity_bytes is not None and measured.peak_bytes > emulated.capacity_bytes:
         raise EmulatedOutOfMemoryError(
             f"virtual device {device} out of memory (CPU emulation): the step needs {measured.peak_bytes} B"

@@ -97,6 +97,7 @@ class _StepCall:
     barrier: ReplicaBarrier
     replica_index: int
     device: torch.device
+    samples: int
     resident_bytes: int = 0
     profile: _ReplicaProfile | None = None
 
@@ -131,11 +132,16 @@ class _StepDispatcher(Module):
                 if profile is not None:
                     measures.enter_context(profile.measure(call.replica_index))
                 # A virtual CPU device as emulated (a testing aid: speed, memory), its memory read for the profile.
-                emulated = measures.enter_context(
-                    emulated_step(call.device, call.resident_bytes, measure_memory=profile is not None)
+                on_cpu = call.device.type == "cpu"
+                emulated = (
+                    measures.enter_context(
+                        emulated_step(call.device, call.resident_bytes, profile is not None, call.samples)
+                    )
+                    if on_cpu
+                    else None
                 )
                 result = getattr(self.module, call.name)(*args, **kwargs)
-            if profile is not None and call.device.type == "cpu":
+            if profile is not None and emulated is not None:
                 profile.peak_bytes[call.replica_index] = emulated.peak_bytes
             return result
         except BaseException as err:
@@ -337,7 +343,12 @@ class BalancedDataParallel(SingleProcess):
             for device in set(run_devices):
                 torch.cuda.reset_peak_memory_stats(device)
         inputs = [
-            (_StepCall(step_name, inference_mode, barrier, i, run_devices[i], self._resident_bytes, profile), *a)
+            (
+                _StepCall(
+                    step_name, inference_mode, barrier, i, run_devices[i], chunk_sizes[i], self._resident_bytes, profile
+                ),
+                *a,
+            )
             for i, (a, _) in enumerate(scattered)
         ]
         failure: BaseException | None = None

@@ -27,7 +27,7 @@ from lightning_balanced.data_parallel.virtual_device import (
     emulate_devices,
     emulated_step,
 )
-from tests.helpers import quiet_trainer, raises_exactly
+from tests.helpers import CUDA_DEVICE_LISTS, gpu_ids, quiet_trainer, raises_exactly
 from tests.strategies.test_balanced_dp import Regressor, _data
 from tests.strategies.test_balanced_dp_syncbn import EXACT, BatchNormNet
 from tests.strategies.test_balanced_dp_syncbn import _data as _image_data
@@ -270,10 +270,24 @@ def test_a_step_over_the_emulated_capacity_runs_out_of_memory() -> None:
     )
 
 
+def test_device_work_per_sample_is_done_before_the_stretch() -> None:
+    devices = [EmulatedDevice(seconds_per_sample=0.01), EmulatedDevice(slowdown=2.0, seconds_per_sample=0.01)]
+    took = []
+    with emulate_devices(devices):
+        for index in (0, 1):
+            began = time.perf_counter()
+            with emulated_step(torch.device("cpu", index), samples=5):
+                pass
+            took.append(time.perf_counter() - began)
+    assert 0.05 <= took[0] < 0.09
+    assert took[1] >= 0.1
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"slowdown": 0.5}, ValueError, "`slowdown` must be >= 1.0 and finite, got 0.5"),
+        ({"seconds_per_sample": -1.0}, ValueError, "`seconds_per_sample` must be >= 0.0 and finite, got -1.0"),
         ({"capacity_bytes": 0}, ValueError, "`capacity_bytes` must be >= 1, got 0"),
         ({"capacity_bytes": 1.5}, TypeError, "`capacity_bytes` must be an integer, got 1.5 of type float"),
     ],
@@ -295,3 +309,22 @@ def test_emulation_blocks_do_not_nest() -> None:
         emulate_devices([2.0]),  # type: ignore[list-item]
     ):
         pass
+
+
+# ---- on CUDA ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
+def test_on_cuda_each_device_is_timed_and_its_memory_read_against_its_share_of_the_gpu(
+    devices: list[torch.device],
+) -> None:
+    policy = _Recording(profile_steps=2)
+    strategy = BalancedDataParallelStrategy(split=policy, parallel_devices=devices)
+    trainer = quiet_trainer(strategy, gpu_ids(devices), accelerator="cuda", max_steps=4)
+    trainer.fit(_Paced(), DataLoader(_data(120), batch_size=30))
+    assert policy.replans == 1
+    _assert_within_one_sample(policy.plan(30, 2), [15, 15])  # same GPU (or the same model of GPU), same speed
+    shares = [torch.cuda.get_device_properties(d).total_memory // devices.count(d) for d in devices]
+    assert policy._capacities == shares
+    for _, peaks in policy.observed:
+        assert peaks is not None and all(p is not None and 0 < p <= s for p, s in zip(peaks, shares, strict=True))

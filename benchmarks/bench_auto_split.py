@@ -1,0 +1,203 @@
+"""Throughput of ``chunk_sizes="auto"`` against the even split and the best hand-set split, on devices of mixed speed.
+
+The job is the digits CNN of ``examples/digits.py`` (conv-BN-ReLU blocks on scikit-learn's 8x8 digits) with one total
+batch for every configuration, trained by ``BalancedDataParallelStrategy`` on the CPU emulation. The devices come from
+the emulation's testing aid, ``EmulatedDevice``: each does ``--seconds-per-sample`` of device work per sample of its
+chunk (slept on the replica's thread, as a GPU works while its host thread waits: a GPU-bound job) on top of the
+host's own compute for the replica, and the speed ratios (1:1, 1:2, 1:1:3) stretch that step method to ``slowdown``
+times its time. With ``--seconds-per-sample 0`` the devices' work is the host's compute alone, which two cores, the GIL
+and every replica share, so the measured speeds then follow that contention as much as the slowdowns. For each ratio:
+
+* ``even``: ``EvenSplit()``, what ``balanced_dp`` does by default;
+* ``auto``: ``AutoSplit()`` with its defaults (it profiles the first 6 steps: those are in the warm-up here, the
+  steady state is measured; the fit's total time is printed too);
+* ``best hand-set``: the fastest ``ChunkSizes`` of a grid search (every split in steps of ``--grid`` samples; on three
+  devices the two equal-speed devices get equal chunks).
+
+Each configuration's step time (``on_train_batch_start`` to ``on_train_batch_end``: scatter, replicate, forward,
+backward, optimizer step) is the median over the steps after ``--warmup``; throughput is the batch over it. The
+device phase is the part of the step the devices run side by side, the slowest replica's step method (what ``auto``
+measures), timed the same way for every policy. The ratios printed are throughputs, for the whole step and for the
+device phase: ``auto / even`` (target >= 1.25 at 1:2) and ``auto / best`` (target >= 0.95 at every ratio; the best by
+the same measure). The emulation's backward pass runs on the host for all replicas one after another and is not
+stretched (see ``EmulatedDevice``), so the whole step gains less from a good split here than on GPUs, where every
+device runs its own backward pass in parallel; the device phase shows what the split itself does. At 1:1 the plans
+are the same, and the ratios show the run's noise.
+
+``--device cuda`` runs the same job on one GPU with replicas sharing it (``parallel_devices=[cuda:0] * n``; no
+emulated slowdown there) and prints ``auto / even``, the overhead of profiling and timing with CUDA events.
+
+Usage: ``python benchmarks/bench_auto_split.py [--steps 30] [--warmup 8] [--batch 256] [--grid 16] [--threads 1]``
+
+One intra-op thread per replica by default: on a small host, replicas that each spread over every core slow one
+another down, and the measured speeds then reflect that contention more than the emulated slowdowns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from bench_ddp_overhead import StepTimer
+from digits import DigitsClassifier, DigitsDataModule
+
+from lightning_balanced import AutoSplit, BalancedDataParallelStrategy, ChunkSizes, EvenSplit, SplitPolicy
+from lightning_balanced.data_parallel.virtual_device import EmulatedDevice, emulate_devices
+
+RATIOS = {"1:1": [1.0, 1.0], "1:2": [1.0, 2.0], "1:1:3": [1.0, 1.0, 3.0]}
+
+
+class _DevicePhase(SplitPolicy):
+    """Wraps a policy and records each step's device phase: the slowest replica's step-method time (s).
+
+    A policy that observes has its replicas timed by the strategy (``SplitPolicy.observe``), so wrapping the even and
+    hand-set policies this way measures them exactly as ``auto`` is measured.
+    """
+
+    def __init__(self, policy: SplitPolicy) -> None:
+        self.policy = policy
+        self.phases: list[float] = []
+
+    def _plan(self, batch_size: int, num_devices: int) -> list[int]:
+        return self.policy.plan(batch_size, num_devices)
+
+    def check_devices(self, num_devices: int) -> None:
+        self.policy.check_devices(num_devices)
+
+    def set_capacities(self, capacity_bytes: list[int | None]) -> None:
+        self.policy.set_capacities(capacity_bytes)
+
+    def observe(self, chunk_sizes: list[int], seconds: list[float], peak_bytes: list[int | None] | None = None) -> None:
+        self.phases.append(max(seconds))
+        if type(self.policy).observe is not SplitPolicy.observe:
+            self.policy.observe(chunk_sizes, seconds, peak_bytes)
+
+    def __repr__(self) -> str:
+        return repr(self.policy)
+
+
+def _fit(policy: SplitPolicy, num_devices: int, args: argparse.Namespace) -> tuple[float, float, float, list[int]]:
+    """Median step time and median device phase after warm-up (s), the fit's wall time (s), the last plan."""
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    timed = _DevicePhase(policy)
+    devices: dict[str, Any] = {"accelerator": "cpu", "devices": num_devices}
+    strategy_devices = None
+    if args.device == "cuda":
+        devices = {"accelerator": "cuda", "devices": 1}
+        strategy_devices = [torch.device("cuda", 0)] * num_devices
+    trainer = pl.Trainer(
+        strategy=BalancedDataParallelStrategy(split=timed, parallel_devices=strategy_devices),
+        max_steps=args.warmup + args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        **devices,
+    )
+    began = time.perf_counter()
+    trainer.fit(DigitsClassifier(), DigitsDataModule(batch_size=args.batch))
+    took = time.perf_counter() - began
+    return (
+        statistics.median(timer.times[args.warmup :]),
+        statistics.median(timed.phases[args.warmup :]),
+        took,
+        policy.plan(args.batch, num_devices),
+    )
+
+
+def _grid(batch: int, slowdowns: list[float], step: int) -> list[list[int]]:
+    """Hand-set splits to search: every split in steps of ``step``; equal-speed devices get equal chunks."""
+    if len(slowdowns) == 2:
+        return [[k, batch - k] for k in range(step, batch, step)]
+    splits = []
+    for k in range(step, batch, step):  # the two fast devices' chunk each, the slow one the rest
+        if batch - 2 * k >= 1:
+            splits.append([k, k, batch - 2 * k])
+    return splits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per fit")
+    parser.add_argument("--warmup", type=int, default=8, help="steps before measuring (auto profiles 6)")
+    parser.add_argument("--batch", type=int, default=256, help="the total batch, split over the devices")
+    parser.add_argument("--grid", type=int, default=16, help="the grid search's step, in samples")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--seconds-per-sample",
+        type=float,
+        default=0.0005,
+        help="emulated device work per sample (s; 0: the host's own compute only)",
+    )
+    parser.add_argument("--ratios", nargs="+", choices=list(RATIOS), default=list(RATIOS), help="speed ratios to run")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("bench_auto_split: skipped, no GPU (`--device cuda` needs one)")
+            return
+        even_s, _, _, _ = _fit(EvenSplit(), 2, args)
+        auto_s, _, _, plan = _fit(AutoSplit(), 2, args)
+        print(f"one GPU, 2 replicas: even {even_s * 1e3:.2f} ms, auto {auto_s * 1e3:.2f} ms (plan {plan})")
+        print(f"auto_over_even_throughput_cuda={even_s / auto_s:.3f}")
+        return
+    print(
+        f"digits CNN, batch {args.batch}, {args.steps} measured steps after {args.warmup}, {args.threads} threads,"
+        f" emulated device work {args.seconds_per_sample * 1e3:g} ms/sample"
+    )
+    print("throughput ratios (> 1: auto faster); step = wall time of a step, device = its device phase")
+    print(
+        f"{'ratio':>6} | {'plan auto':>13} {'best (step)':>13} | {'even ms':>8} {'auto ms':>8} {'best ms':>8} |"
+        f" {'auto/even':>9} {'auto/best':>9} | {'device: auto/even':>17} {'auto/best':>9} | auto fit s"
+    )
+    summary: dict[str, float] = {}
+    for name in args.ratios:
+        slowdowns = RATIOS[name]
+        n = len(slowdowns)
+        emulated = [EmulatedDevice(slowdown=s, seconds_per_sample=args.seconds_per_sample) for s in slowdowns]
+        with emulate_devices(emulated):
+            even = _fit(EvenSplit(), n, args)
+            auto = _fit(AutoSplit(), n, args)
+            searched = {
+                tuple(split): _fit(ChunkSizes(split), n, args) for split in _grid(args.batch, slowdowns, args.grid)
+            }
+        best_split, best = min(searched.items(), key=lambda item: item[1][0])
+        best_device = min(result[1] for result in searched.values())
+        ratios = {
+            "step_even": even[0] / auto[0],
+            "step_best": best[0] / auto[0],
+            "device_even": even[1] / auto[1],
+            "device_best": best_device / auto[1],
+        }
+        for key, value in ratios.items():
+            summary[f"{key}_{name}"] = value
+        print(
+            f"{name:>6} | {auto[3]!s:>13} {list(best_split)!s:>13} | {even[0] * 1e3:8.2f} {auto[0] * 1e3:8.2f}"
+            f" {best[0] * 1e3:8.2f} | {ratios['step_even']:9.3f} {ratios['step_best']:9.3f} |"
+            f" {ratios['device_even']:17.3f} {ratios['device_best']:9.3f} | {auto[2]:.1f}"
+        )
+    if "1:2" in args.ratios:
+        print(f"auto_over_even_throughput_1_2={summary['step_even_1:2']:.3f}")
+        print(f"auto_over_even_device_throughput_1_2={summary['device_even_1:2']:.3f}")
+    print(f"worst_auto_over_best_throughput={min(v for k, v in summary.items() if k.startswith('step_best')):.3f}")
+    print(
+        "worst_auto_over_best_device_throughput="
+        f"{min(v for k, v in summary.items() if k.startswith('device_best')):.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
