@@ -27,7 +27,7 @@ are the same, and the ratios show the run's noise.
 ``--device cuda`` runs the same job on one GPU with replicas sharing it (``parallel_devices=[cuda:0] * n``; no
 emulated slowdown there) and prints ``auto / even``, the overhead of profiling and timing with CUDA events.
 
-Usage: ``python benchmarks/bench_auto_split.py [--steps 30] [--warmup 8] [--batch 256] [--grid 16] [--threads 1]``
+Usage: ``python benchmarks/bench_auto_split.py [--steps 30] [--warmup 8] [--batch 256] [--grid 16] [--quick]``
 
 One intra-op thread per replica by default: on a small host, replicas that each spread over every core slow one
 another down, and the measured speeds then reflect that contention more than the emulated slowdowns.
@@ -143,7 +143,10 @@ def main() -> None:
     )
     parser.add_argument("--ratios", nargs="+", choices=list(RATIOS), default=list(RATIOS), help="speed ratios to run")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 10 measured steps")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 10
     torch.set_num_threads(args.threads)
     if args.device == "cuda":
         if not torch.cuda.is_available():

@@ -14,7 +14,9 @@ Steps, each printed as it runs (and copied to ``--log``):
    CUDA NMS; in parallel with pytest-xdist when installed;
 4. the CUDA benchmarks: ``benchmarks/bench_cuda.py`` (balanced_dp and gpipe on one GPU against one device) and
    ``benchmarks/bench_nms_cuda.py`` (the CUDA NMS against torchvision's CUDA kernel and our CPU kernel: time, memory,
-   exact kept indices, the padded form in a CUDA graph); ``--quick`` runs both in their quick form.
+   exact kept indices, the padded form in a CUDA graph) and ``benchmarks/bench_auto_split.py --device cuda``
+   (``chunk_sizes="auto"`` against the even split with two replicas on the GPU: the cost of profiling); ``--quick``
+   runs each in its quick form.
 
 The last line is the summary: ``gpu_check: PASSED ...`` or ``gpu_check: FAILED ...`` (exit status 1). Designed to
 finish in a few minutes on one GPU with 16 cores.
@@ -162,13 +164,16 @@ def run_benchmarks(report: Report, quick: bool) -> str:
     """Run each CUDA benchmark; their summary lines (the last line each prints), joined."""
     flags = ["--quick"] if quick else []
     summaries = []
-    # (script, how its summary line starts, whether the quoted summary keeps that start, time limit in seconds)
-    for script, prefix, keep_prefix, timeout_s in (
-        ("bench_cuda.py", "bench_cuda:", False, 240),
-        ("bench_nms_cuda.py", "worst_ratio_vs_torchvision_cuda=", True, 600),
+    # (script, its arguments, how its summary line starts, whether the quoted summary keeps that start, time limit
+    # in seconds)
+    for script, arguments, prefix, keep_prefix, timeout_s in (
+        ("bench_cuda.py", [], "bench_cuda:", False, 240),
+        ("bench_nms_cuda.py", [], "worst_ratio_vs_torchvision_cuda=", True, 600),
+        ("bench_auto_split.py", ["--device", "cuda"], "auto_over_even_throughput_cuda=", True, 240),
     ):
         report.step(f"CUDA benchmarks (benchmarks/{script})")
-        status, last = _run(report, [sys.executable, str(ROOT / "benchmarks" / script), *flags], timeout_s=timeout_s)
+        command = [sys.executable, str(ROOT / "benchmarks" / script), *arguments, *flags]
+        status, last = _run(report, command, timeout_s=timeout_s)
         if status != 0 or not last.startswith(prefix):
             report.fail(f"{script}: exit status {status}, last line {last!r}")
             summaries.append(f"{script} failed")
