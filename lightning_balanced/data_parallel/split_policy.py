@@ -106,11 +106,12 @@ class SplitPolicy(ABC):
         planned ``0`` samples has ``0.0`` seconds. The time is that of the step method (``training_step``: the
         forward pass and the loss) on the device, taken with CUDA events on the replica's stream on a GPU (the host
         waits for the step's forward pass to read them) and with the host's clock on the CPU; the backward pass runs
-        later, for all replicas at once, and is not in it. ``peak_bytes[i]`` is device ``i``'s memory at the end of
-        the step method, in bytes, or ``None`` where it is not known: on a GPU ``torch.cuda.max_memory_allocated``
-        since the step began (the parameters, the optimizer state, what earlier replicas on that GPU hold, the step's
-        activations), on a virtual CPU device the replica's parameters and buffers plus the activations saved for
-        backward. The strategy times the steps only for a policy that overrides this method: the others cost nothing.
+        later, for all replicas at once, and is not in it. ``peak_bytes[i]`` is device ``i``'s memory in the step, in
+        bytes, or ``None`` where it is not known: on a GPU ``torch.cuda.max_memory_allocated`` from the start of the
+        step to the gathered outputs (the parameters, the optimizer state, the step's activations, on GPU 0 the
+        gathered outputs; replicas that share a GPU see its peak), on a virtual CPU device the replica's parameters
+        and buffers plus the activations its step method saved for backward. The strategy times the steps only for
+        a policy that overrides this method: the others cost nothing.
         """
 
     def plan(self, batch_size: int, num_devices: int) -> list[int]:
