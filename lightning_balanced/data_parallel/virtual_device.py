@@ -352,9 +352,18 @@ def emulated_device(device: torch.device) -> EmulatedDevice | None:
 
 @dataclass
 class EmulatedStep:
-    """What :func:`emulated_step` measured: ``peak_bytes``, the step's memory on the virtual device, in bytes."""
+    """What :func:`emulated_step` measured on the virtual device.
+
+    Attributes:
+        peak_bytes (int): the step's memory on the device, in bytes.
+        seconds (float | None): with an :class:`EmulatedDevice`, the device's time for the step: the host compute of
+            the step method, plus its ``seconds_per_sample`` work, times its ``slowdown``. The sleeps that make up
+            the rest are not timed when they end but counted at their length, so the time the thread then waits for
+            the GIL or a core (while other replicas run Python) is not charged to the device. ``None`` without one.
+    """
 
     peak_bytes: int = 0
+    seconds: float | None = None
 
 
 @contextmanager
@@ -397,9 +406,12 @@ def emulated_step(
         yield measured
     if emulated is None:
         return
-    if emulated.seconds_per_sample > 0.0:
-        time.sleep(emulated.seconds_per_sample * samples)
-    took = time.perf_counter() - began
+    host = time.perf_counter() - began
+    work = emulated.seconds_per_sample * samples
+    if work > 0.0:
+        time.sleep(work)
+    took = host + work  # the work at its nominal length
+    measured.seconds = emulated.slowdown * took
     if emulated.capacity_bytes is not None and measured.peak_bytes > emulated.capacity_bytes:
         raise EmulatedOutOfMemoryError(
             f"virtual device {device} out of memory (CPU emulation): the step needs {measured.peak_bytes} B"

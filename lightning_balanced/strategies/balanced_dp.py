@@ -81,6 +81,10 @@ class _ReplicaProfile:
             yield
             self._marks[index] = time.perf_counter() - began
 
+    def set_seconds(self, index: int, seconds: float) -> None:
+        """Replace the host clock's time of replica ``index`` (CPU) by ``seconds``: an emulated device's own time."""
+        self._marks[index] = seconds
+
     def seconds(self) -> list[float]:
         """Each replica's time in seconds; on CUDA the host waits here for the replicas' step methods to finish."""
         if not self._on_cuda:
@@ -143,6 +147,8 @@ class _StepDispatcher(Module):
                 result = getattr(self.module, call.name)(*args, **kwargs)
             if profile is not None and emulated is not None:
                 profile.peak_bytes[call.replica_index] = emulated.peak_bytes
+                if emulated.seconds is not None:  # an emulated device: its own time, not the thread's wake-up
+                    profile.set_seconds(call.replica_index, emulated.seconds)
             return result
         except BaseException as err:
             call.barrier.abort(call.replica_index, err)  # releases the replicas waiting for this one

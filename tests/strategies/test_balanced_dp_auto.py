@@ -274,13 +274,18 @@ def test_device_work_per_sample_is_done_before_the_stretch() -> None:
     devices = [EmulatedDevice(seconds_per_sample=0.01), EmulatedDevice(slowdown=2.0, seconds_per_sample=0.01)]
     took = []
     with emulate_devices(devices):
+        reported = []
         for index in (0, 1):
             began = time.perf_counter()
-            with emulated_step(torch.device("cpu", index), samples=5):
+            with emulated_step(torch.device("cpu", index), samples=5) as step:
                 pass
             took.append(time.perf_counter() - began)
+            reported.append(step.seconds)
     assert 0.05 <= took[0] < 0.09
     assert took[1] >= 0.1
+    # The device's own time: the nominal 50 ms of work (and the empty step method), times the slowdown.
+    assert reported[0] is not None and 0.05 <= reported[0] < 0.055
+    assert reported[1] is not None and 0.1 <= reported[1] < 0.11
 
 
 @pytest.mark.parametrize(
