@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from bench_ddp_overhead import StepTimer
+from bench_ddp_overhead import StepTimer, timed_trainer
 from digits import DigitsClassifier, DigitsDataModule
 
 from lightning_balanced import AutoSplit, BalancedDataParallelStrategy, ChunkSizes, EvenSplit, SplitPolicy
@@ -95,15 +95,11 @@ def _fit(policy: SplitPolicy, num_devices: int, args: argparse.Namespace) -> tup
     if args.device == "cuda":
         devices = {"accelerator": "cuda", "devices": 1}
         strategy_devices = [torch.device("cuda", 0)] * num_devices
-    trainer = pl.Trainer(
+    trainer = timed_trainer(
+        timer,
         strategy=BalancedDataParallelStrategy(split=timed, parallel_devices=strategy_devices),
         max_steps=args.warmup + args.steps,
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
         **devices,
     )
     began = time.perf_counter()

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from bench_ddp_overhead import StepTimer
+from bench_ddp_overhead import StepTimer, timed_trainer
 from digits import DigitsClassifier, DigitsDataModule
 
 from lightning_balanced import BalancedDataParallelStrategy
@@ -37,17 +37,13 @@ CONFIGS = {"per_chunk": False, "synced": True, "per_chunk_again": False}
 def _fit(sync_batchnorm: bool, steps: int) -> list[float]:
     pl.seed_everything(0, verbose=False)
     timer = StepTimer()
-    trainer = pl.Trainer(
+    trainer = timed_trainer(
+        timer,
         accelerator="cpu",
         devices=2,
         strategy=BalancedDataParallelStrategy(gpu0_bsz=16, sync_batchnorm=sync_batchnorm),
         max_steps=steps,
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
     )
     trainer.fit(DigitsClassifier(), DigitsDataModule(batch_size=64))
     return timer.times[WARMUP_STEPS:]

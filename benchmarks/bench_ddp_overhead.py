@@ -73,6 +73,18 @@ class StepTimer(pl.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
+def timed_trainer(timer: StepTimer, **kwargs: Any) -> pl.Trainer:
+    """A ``Trainer`` that times each step with ``timer``, without logger, checkpoints, progress bar or summary."""
+    return pl.Trainer(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        **kwargs,
+    )
+
+
 def _strategy(name: str) -> Any:
     if name in ("ddp", "ddp_again"):
         return DDPStrategy()
@@ -96,16 +108,8 @@ def _rank(rank: int, world_size: int, port: int, steps: int, rounds: int, queue:
         order = list(times) if round_index % 2 == 0 else list(reversed(times))  # no configuration always goes first
         for name in order:
             timer = StepTimer()
-            trainer = pl.Trainer(
-                accelerator="cpu",
-                devices=world_size,
-                strategy=_strategy(name),
-                max_steps=steps,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                callbacks=[timer],
+            trainer = timed_trainer(
+                timer, accelerator="cpu", devices=world_size, strategy=_strategy(name), max_steps=steps
             )
             trainer.fit(Model(), DataLoader(data, batch_size=16))
             times[name].extend(timer.times[WARMUP_STEPS:])
