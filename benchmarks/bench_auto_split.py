@@ -11,12 +11,15 @@ and every replica share, so the measured speeds then follow that contention as m
 * ``even``: ``EvenSplit()``, what ``balanced_dp`` does by default;
 * ``auto``: ``AutoSplit()`` with its defaults (it profiles the first 6 steps: those are in the warm-up here, the
   steady state is measured; the fit's total time is printed too);
-* ``best hand-set``: the fastest ``ChunkSizes`` of a grid search (every split in steps of ``--grid`` samples; on three
-  devices the two equal-speed devices get equal chunks), then measured once more in a fit of its own, since its time
-  in the search is the luckiest of many noisy draws (the device phase's winner likewise).
+* ``best hand-set``: the fastest ``ChunkSizes`` of a grid search (every split in steps of ``--grid`` samples, one fit
+  each; on three devices the two equal-speed devices get equal chunks), then measured again: its time in the search
+  is the luckiest of many noisy draws (the device phase's winner likewise).
 
-Each configuration's step time (``on_train_batch_start`` to ``on_train_batch_end``: scatter, replicate, forward,
-backward, optimizer step) is the median over the steps after ``--warmup``; throughput is the batch over it. The
+``even``, ``auto`` and the winners are then fitted ``--repeats`` times each, in turns (the order reversed every other
+round), so that a slow patch of the machine falls on all of them. Each configuration's step time
+(``on_train_batch_start`` to ``on_train_batch_end``: scatter, replicate, forward, backward, optimizer step) is the
+median over the steps after ``--warmup`` of all its fits; throughput is the batch over it. ``auto``'s plans are
+printed, one per distinct plan of its fits. The
 device phase is the part of the step the devices run side by side, the slowest replica's step method (what ``auto``
 measures), timed the same way for every policy. The ratios printed are throughputs, for the whole step and for the
 device phase: ``auto / even`` (target >= 1.25 at 1:2) and ``auto / best`` (target >= 0.95 at every ratio; the best by
@@ -28,7 +31,8 @@ are the same, and the ratios show the run's noise.
 ``--device cuda`` runs the same job on one GPU with replicas sharing it (``parallel_devices=[cuda:0] * n``; no
 emulated slowdown there) and prints ``auto / even``, the overhead of profiling and timing with CUDA events.
 
-Usage: ``python benchmarks/bench_auto_split.py [--steps 30] [--warmup 8] [--batch 256] [--grid 16] [--quick]``
+Usage: ``python benchmarks/bench_auto_split.py [--steps 30] [--warmup 8] [--batch 256] [--grid 16] [--repeats 3]
+[--quick]``
 
 One intra-op thread per replica by default: on a small host, replicas that each spread over every core slow one
 another down, and the measured speeds then reflect that contention more than the emulated slowdowns.
@@ -37,9 +41,12 @@ another down, and the measured speeds then reflect that contention more than the
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +93,26 @@ class _DevicePhase(SplitPolicy):
         return repr(self.policy)
 
 
-def _fit(policy: SplitPolicy, num_devices: int, args: argparse.Namespace) -> tuple[float, float, float, list[int]]:
-    """Median step time and median device phase after warm-up (s), the fit's wall time (s), the last plan."""
+@dataclass
+class _Measured:
+    """One configuration's fits: every measured step's time and device phase (s), each fit's wall time, the plans."""
+
+    steps: list[float] = field(default_factory=list)
+    phases: list[float] = field(default_factory=list)
+    fit_seconds: list[float] = field(default_factory=list)
+    plans: list[list[int]] = field(default_factory=list)
+
+    @property
+    def step(self) -> float:
+        return statistics.median(self.steps)
+
+    @property
+    def phase(self) -> float:
+        return statistics.median(self.phases)
+
+
+def _fit(policy: SplitPolicy, num_devices: int, args: argparse.Namespace, into: _Measured | None = None) -> _Measured:
+    """Fit once with ``policy`` and add its steps after warm-up, wall time and last plan to ``into`` (or a new one)."""
     pl.seed_everything(0, verbose=False)
     timer = StepTimer()
     timed = _DevicePhase(policy)
@@ -105,13 +130,29 @@ def _fit(policy: SplitPolicy, num_devices: int, args: argparse.Namespace) -> tup
     )
     began = time.perf_counter()
     trainer.fit(DigitsClassifier(), DigitsDataModule(batch_size=args.batch))
-    took = time.perf_counter() - began
-    return (
-        statistics.median(timer.times[args.warmup :]),
-        statistics.median(timed.phases[args.warmup :]),
-        took,
-        policy.plan(args.batch, num_devices),
-    )
+    measured = into if into is not None else _Measured()
+    measured.fit_seconds.append(time.perf_counter() - began)
+    measured.steps += timer.times[args.warmup :]
+    measured.phases += timed.phases[args.warmup :]
+    measured.plans.append(policy.plan(args.batch, num_devices))
+    return measured
+
+
+def _interleaved(
+    policies: dict[str, Callable[[], SplitPolicy]], num_devices: int, args: argparse.Namespace
+) -> dict[str, _Measured]:
+    """``args.repeats`` fits of each policy, in turns (the order reversed every other round), steps pooled."""
+    measured = {name: _Measured() for name in policies}
+    for round_index in range(args.repeats):
+        names = list(policies) if round_index % 2 == 0 else list(reversed(policies))
+        for name in names:
+            _fit(policies[name](), num_devices, args, measured[name])
+    return measured
+
+
+def _plans(measured: _Measured) -> str:
+    """The distinct plans of a configuration's fits, in order (one when every fit chose the same)."""
+    return " ".join(str(list(plan)) for plan in dict.fromkeys(tuple(plan) for plan in measured.plans))
 
 
 def _grid(batch: int, slowdowns: list[float], step: int) -> list[list[int]]:
@@ -131,6 +172,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8, help="steps before measuring (auto profiles 6)")
     parser.add_argument("--batch", type=int, default=256, help="the total batch, split over the devices")
     parser.add_argument("--grid", type=int, default=16, help="the grid search's step, in samples")
+    parser.add_argument("--repeats", type=int, default=3, help="fits of even, auto and the winner, in turns")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
         "--seconds-per-sample",
@@ -149,10 +191,12 @@ def main() -> None:
         if not torch.cuda.is_available():
             print("bench_auto_split: skipped, no GPU (`--device cuda` needs one)")
             return
-        even_s, _, _, _ = _fit(EvenSplit(), 2, args)
-        auto_s, _, _, plan = _fit(AutoSplit(), 2, args)
-        print(f"one GPU, 2 replicas: even {even_s * 1e3:.2f} ms, auto {auto_s * 1e3:.2f} ms (plan {plan})")
-        print(f"auto_over_even_throughput_cuda={even_s / auto_s:.3f}")
+        runs = _interleaved({"even": EvenSplit, "auto": AutoSplit}, 2, args)
+        even, auto = runs["even"], runs["auto"]
+        print(
+            f"one GPU, 2 replicas: even {even.step * 1e3:.2f} ms, auto {auto.step * 1e3:.2f} ms (plans {_plans(auto)})"
+        )
+        print(f"auto_over_even_throughput_cuda={even.step / auto.step:.3f}")
         return
     print(
         f"digits CNN, batch {args.batch}, {args.steps} measured steps after {args.warmup}, {args.threads} threads,"
@@ -160,7 +204,7 @@ def main() -> None:
     )
     print("throughput ratios (> 1: auto faster); step = wall time of a step, device = its device phase")
     print(
-        f"{'ratio':>6} | {'plan auto':>13} {'best (step)':>13} | {'even ms':>8} {'auto ms':>8} {'best ms':>8} |"
+        f"{'ratio':>6} | {'plans auto':<45} {'best (step)':<15} | {'even ms':>8} {'auto ms':>8} {'best ms':>8} |"
         f" {'auto/even':>9} {'auto/best':>9} | {'device: auto/even':>17} {'auto/best':>9} | auto fit s"
     )
     summary: dict[str, float] = {}
@@ -169,28 +213,31 @@ def main() -> None:
         n = len(slowdowns)
         emulated = [EmulatedDevice(slowdown=s, seconds_per_sample=args.seconds_per_sample) for s in slowdowns]
         with emulate_devices(emulated):
-            even = _fit(EvenSplit(), n, args)
-            auto = _fit(AutoSplit(), n, args)
             searched = {
                 tuple(split): _fit(ChunkSizes(split), n, args) for split in _grid(args.batch, slowdowns, args.grid)
             }
-            # The winner of the search re-measured: its time in the search is the luckiest of many noisy draws.
-            best_split = min(searched, key=lambda split: searched[split][0])
-            best = _fit(ChunkSizes(list(best_split)), n, args)
-            best_device_split = min(searched, key=lambda split: searched[split][1])
-            best_device = _fit(ChunkSizes(list(best_device_split)), n, args)[1]
+            # The search's winners measured again, with even and auto, in turns: a split's time in the search is
+            # one noisy draw, and the winner's is the luckiest of many.
+            best_split = min(searched, key=lambda split: searched[split].step)
+            best_device_split = min(searched, key=lambda split: searched[split].phase)
+            policies: dict[str, Callable[[], SplitPolicy]] = {"even": EvenSplit, "auto": AutoSplit}
+            for split in dict.fromkeys((best_split, best_device_split)):
+                policies[str(list(split))] = functools.partial(ChunkSizes, list(split))
+            runs = _interleaved(policies, n, args)
+        even, auto = runs["even"], runs["auto"]
+        best, best_device = runs[str(list(best_split))], runs[str(list(best_device_split))]
         ratios = {
-            "step_even": even[0] / auto[0],
-            "step_best": best[0] / auto[0],
-            "device_even": even[1] / auto[1],
-            "device_best": best_device / auto[1],
+            "step_even": even.step / auto.step,
+            "step_best": best.step / auto.step,
+            "device_even": even.phase / auto.phase,
+            "device_best": best_device.phase / auto.phase,
         }
         for key, value in ratios.items():
             summary[f"{key}_{name}"] = value
         print(
-            f"{name:>6} | {auto[3]!s:>13} {list(best_split)!s:>13} | {even[0] * 1e3:8.2f} {auto[0] * 1e3:8.2f}"
-            f" {best[0] * 1e3:8.2f} | {ratios['step_even']:9.3f} {ratios['step_best']:9.3f} |"
-            f" {ratios['device_even']:17.3f} {ratios['device_best']:9.3f} | {auto[2]:.1f}"
+            f"{name:>6} | {_plans(auto):<45} {list(best_split)!s:<15} | {even.step * 1e3:8.2f} {auto.step * 1e3:8.2f}"
+            f" {best.step * 1e3:8.2f} | {ratios['step_even']:9.3f} {ratios['step_best']:9.3f} |"
+            f" {ratios['device_even']:17.3f} {ratios['device_best']:9.3f} | {statistics.median(auto.fit_seconds):.1f}"
         )
     if "1:2" in args.ratios:
         print(f"auto_over_even_throughput_1_2={summary['step_even_1:2']:.3f}")
