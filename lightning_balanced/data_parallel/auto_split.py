@@ -41,6 +41,10 @@ class AutoSplit(SplitPolicy):
     device, with a ``chunk_sizes=[...]`` line to pin it. A batch of another size (validation, test, predict, the last
     batch) gets the last plan's proportions.
 
+    Sources: the rounding is largest-remainder (Hamilton) apportionment; measuring each part's time and memory before
+    splitting follows torchgpipe's ``balance_by_time`` / ``balance_by_size`` (Kim et al., 2020, arXiv:2004.09910),
+    applied here to data-parallel chunks instead of pipeline partitions.
+
     Args:
         profile_steps (int): measured steps before the first plan, >= 1.
         memory_fraction (float): the share of each device's capacity a chunk may use, in (0, 1].
