@@ -19,14 +19,15 @@ and every replica share, so the measured speeds then follow that contention as m
 round), so that a slow patch of the machine falls on all of them. Each configuration's step time
 (``on_train_batch_start`` to ``on_train_batch_end``: scatter, replicate, forward, backward, optimizer step) is the
 median over the steps after ``--warmup`` of all its fits; throughput is the batch over it. ``auto``'s plans are
-printed, one per distinct plan of its fits. The
-device phase is the part of the step the devices run side by side, the slowest replica's step method (what ``auto``
-measures), timed the same way for every policy. The ratios printed are throughputs, for the whole step and for the
-device phase: ``auto / even`` (target >= 1.25 at 1:2) and ``auto / best`` (target >= 0.95 at every ratio; the best by
-the same measure). The emulation's backward pass runs on the host for all replicas one after another and is not
-stretched (see ``EmulatedDevice``), so the whole step gains less from a good split here than on GPUs, where every
-device runs its own backward pass in parallel; the device phase shows what the split itself does. At 1:1 the plans
-are the same, and the ratios show the run's noise.
+printed, one per distinct plan of its fits.
+
+The device phase is the part of the step the devices run side by side, the slowest replica's step method (what
+``auto`` measures), timed the same way for every policy. The ratios printed are throughputs, for the whole step and
+for the device phase: ``auto / even`` (target >= 1.25 at 1:2) and ``auto / best`` (target >= 0.95 at every ratio;
+the best by the same measure). The emulation's backward pass runs on the host for all replicas one after another and
+is not stretched (see ``EmulatedDevice``), so the whole step gains less from a good split here than on GPUs, where
+every device runs its own backward pass in parallel; the device phase shows what the split itself does. At 1:1 the
+plans are even or within a few samples of it, and the ratios show the run's noise.
 
 ``--device cuda`` runs the same job on one GPU with replicas sharing it (``parallel_devices=[cuda:0] * n``; no
 emulated slowdown there) and prints ``auto / even``, the overhead of profiling and timing with CUDA events.
