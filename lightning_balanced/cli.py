@@ -13,13 +13,13 @@ import os
 import sys
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 from lightning_balanced.entry_points import load_strategy_plugins
+from lightning_balanced.strategies.process_group import end_process_group
 
 __all__ = ["LightningBalancedCLI", "main"]
 
@@ -103,8 +103,6 @@ def main(args: list[str] | None = None) -> None:
     exceptions or LightningCLI's own ``SystemExit``. Use :class:`LightningBalancedCLI` directly for the CLI object.
     """
     LightningBalancedCLI(args=args)
-    # A DDP run leaves its default process group for interpreter exit, where torch's gloo backend (2.13 at least)
-    # sometimes aborts the finished job with "terminate called without an active exception"; the command owns the
-    # process, so it ends the group while the interpreter is whole.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    # A DDP run leaves its default process group for interpreter exit, where torch's gloo backend sometimes aborts or
+    # hangs the finished job; the command owns the process, so it ends the group while the interpreter is whole.
+    end_process_group()

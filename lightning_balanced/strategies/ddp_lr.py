@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn import Module
@@ -25,6 +24,7 @@ from lightning_balanced.lr_scaling import (
     warmup_multiplier,
 )
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm as _DeviceSyncBatchNorm  # the old name warns
+from lightning_balanced.strategies.process_group import end_process_group
 from lightning_balanced.strategies.registration import RegisteredStrategy, RegistryName
 
 # Set on the LightningModule by a `Tuner.lr_find` run under this strategy: the learning rate it suggests was found at
@@ -182,14 +182,14 @@ class LRScaledDDP(RegisteredStrategy, _StrategyBase):
     def teardown(self) -> None:
         """As DDP's, then a spawned or forked worker ends its process group before its process exits.
 
-        Such a worker exits as soon as the run returns, and torch's gloo backend (2.13 and 2.14 at least), left for
-        interpreter exit, sometimes aborts a finished worker there ("terminate called without an active exception"),
-        which fails the whole launch. The script launcher's processes keep theirs: the user's script goes on.
+        Such a worker exits as soon as the run returns, and torch's gloo backend, left for interpreter exit, sometimes
+        aborts a finished worker there, which fails the whole launch (see
+        :func:`~lightning_balanced.strategies.process_group.end_process_group`). The script launcher's processes keep
+        theirs: the user's script goes on.
         """
         super().teardown()
-        spawned = getattr(self, "_start_method", "popen") in ("spawn", "fork", "forkserver")
-        if spawned and torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if getattr(self, "_start_method", "popen") in ("spawn", "fork", "forkserver"):
+            end_process_group()
 
 
 class LRScaledDDPStrategy(LRScaledDDP, DDPStrategy):
