@@ -7,15 +7,23 @@ this module:
 - in manual optimization, ``manual_backward``, ``optimizer.step``/``zero_grad``, ``lr_scheduler.step`` and
   ``clip_gradients`` become meetings at the step's :class:`~lightning_balanced.data_parallel.barrier.ReplicaBarrier`:
   every replica must call them in the same order, and the call runs once, on the combined input, when all have
-  arrived;
-- torchmetrics metrics are not replicated: every replica updates the one original metric, one call at a time.
+  arrived; after ``optimizer.step()`` the replicas' copies of the parameters are refreshed from the root's;
+- torchmetrics metrics are not replicated: every replica updates the one original metric, one call at a time, on the
+  root device, so a logged metric equals the single-device one. (Under ``torch.nn.DataParallel`` a replica holds a
+  shallow copy of the metric whose states are the root's tensors: an update from another GPU fails on the device
+  check, and one that reassigns a state is lost with the replica.)
+
+On CUDA, what one thread does for all replicas runs on the root's stream, between the replicas' streams
+(:class:`SharedStep`).
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,6 +33,8 @@ from torch.nn import Module
 from torchmetrics import Metric
 
 from lightning_balanced.data_parallel.barrier import ReplicaBarrier
+from lightning_balanced.data_parallel.replicate import record_device, refresh_parameter_copies
+from lightning_balanced.data_parallel.stream_order import record_on, run_between
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 
@@ -99,29 +109,76 @@ _LOCKSTEP_HINT = (
 )
 
 
-def _lockstep_call(
-    barrier: ReplicaBarrier, index: int, name: str, value: Any, action: Callable[[list[Any]], Any]
-) -> Any:
-    """One lockstep call: every replica's ``name`` call meets the others' (in call order); ``action`` runs once."""
-    return barrier.call_once(index, value, action, what=f"`{name}`", hint=_LOCKSTEP_HINT)
+@dataclass(frozen=True)
+class SharedStep:
+    """What the replicas of one step share: the step's barrier and, on CUDA, the streams that order shared work.
+
+    Work that one thread does for all replicas (a lockstep call, a metric update) runs on ``root_stream``, the
+    caller's stream on the root device, after the work each replica queued on its own stream (``streams``), and every
+    replica's stream waits for it before going on (:func:`~lightning_balanced.data_parallel.stream_order.run_between`).
+
+    Attributes:
+        barrier (ReplicaBarrier): where the replicas meet.
+        root_device (torch.device): the root's device as the replicas see it (``cpu:0`` in the CPU emulation).
+        root_stream (torch.cuda.Stream | None): ``None`` off CUDA.
+        streams (Sequence[torch.cuda.Stream]): one per replica, on its device; empty off CUDA.
+        parameter_copies (Sequence[tuple[Tensor, Tensor]]): from
+            :func:`~lightning_balanced.data_parallel.replicate.parameter_copies`: refreshed after each
+            ``optimizer.step()`` of manual optimization.
+    """
+
+    barrier: ReplicaBarrier
+    root_device: torch.device
+    root_stream: torch.cuda.Stream | None = None
+    streams: Sequence[torch.cuda.Stream] = ()
+    parameter_copies: Sequence[tuple[Tensor, Tensor]] = ()
+
+    def call_once(self, index: int, name: str, value: Any, action: Callable[[list[Any]], Any]) -> Any:
+        """One lockstep call: replica ``index``'s ``name`` call meets the others' (in call order); ``action`` runs once.
+
+        It runs on the root's stream, ordered after every replica's work and before their next (on CUDA).
+        """
+        return self.barrier.call_once(
+            index,
+            value,
+            lambda values: run_between(self.root_stream, self.streams, lambda: action(values)),
+            what=f"`{name}`",
+            hint=_LOCKSTEP_HINT,
+        )
+
+    def run_shared(self, work: Callable[[], Any]) -> Any:
+        """``work`` done by one replica's thread on state the replicas share, ordered as a lockstep call's action."""
+        if self.root_stream is None:
+            return work()
+        return run_between(self.root_stream, [torch.cuda.current_stream()], work)
 
 
 class _LockstepProxy:
-    """Delegates to ``target``; the methods named in ``shared`` run once per meeting of all replicas."""
+    """Delegates to ``target``; its methods named in ``shared`` run once per meeting of all replicas.
 
-    def __init__(self, target: Any, barrier: ReplicaBarrier, index: int, shared: Sequence[str]) -> None:
+    ``shared`` maps each such method to what runs right after it in the same meeting (or ``None``).
+    """
+
+    def __init__(self, target: Any, step: SharedStep, index: int, shared: dict[str, Callable[[], None] | None]) -> None:
         self._target = target
-        self._barrier = barrier
+        self._step = step
         self._index = index
-        self._shared = frozenset(shared)
+        self._shared = shared
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._target, name)
         if name not in self._shared:
             return attribute
+        after = self._shared[name]
+
+        def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            result = attribute(*args, **kwargs)
+            if after is not None:
+                after()
+            return result
 
         def once(*args: Any, **kwargs: Any) -> Any:
-            return _lockstep_call(self._barrier, self._index, name, None, lambda _: attribute(*args, **kwargs))
+            return self._step.call_once(self._index, name, None, lambda _: run(args, kwargs))
 
         return once
 
@@ -130,12 +187,15 @@ def install_manual_optimization(
     replica: pl.LightningModule,
     root: pl.LightningModule,
     index: int,
-    barrier: ReplicaBarrier,
+    step: SharedStep,
     loss_weight: float,
 ) -> None:
-    """Route the replica's manual-optimization calls through the step's ``barrier`` (see the module docstring).
+    """Route the replica's manual-optimization calls through the step's barrier (see the module docstring).
 
     ``manual_backward`` runs once on ``sum(loss_weight_i * loss_i)``, so the gradient is the full-batch gradient.
+    ``optimizer.step()`` runs once on the root's parameters and then refreshes the replicas' copies of them
+    (``step.parameter_copies``), so what the replicas compute after it in the same step (a GAN's second pass) uses the
+    updated parameters, as on one device.
     """
     device = root.device
 
@@ -143,18 +203,21 @@ def install_manual_optimization(
         def backward(losses: list[Tensor]) -> None:
             root.manual_backward(torch.stack([lo.to(device) for lo in losses]).sum(), *args, **kwargs)
 
-        _lockstep_call(barrier, index, "manual_backward", loss * loss_weight, backward)
+        step.call_once(index, "manual_backward", loss * loss_weight, backward)
+
+    def refresh() -> None:
+        refresh_parameter_copies(step.parameter_copies)
 
     def optimizers(use_pl_optimizer: bool = True) -> Any:
         found = root.optimizers(use_pl_optimizer)
-        wrap = [_LockstepProxy(o, barrier, index, ("step", "zero_grad")) for o in _as_list(found)]
+        wrap = [_LockstepProxy(o, step, index, {"step": refresh, "zero_grad": None}) for o in _as_list(found)]
         return wrap if isinstance(found, list) else wrap[0]
 
     def lr_schedulers() -> Any:
         found = root.lr_schedulers()
         if found is None:
             return None
-        wrap = [_LockstepProxy(s, barrier, index, ("step",)) for s in _as_list(found)]
+        wrap = [_LockstepProxy(s, step, index, {"step": None}) for s in _as_list(found)]
         return wrap if isinstance(found, list) else wrap[0]
 
     def shared(name: str) -> Callable[..., Any]:
@@ -162,7 +225,7 @@ def install_manual_optimization(
 
         def once(*args: Any, **kwargs: Any) -> Any:
             args = tuple(a._target if isinstance(a, _LockstepProxy) else a for a in args)
-            return _lockstep_call(barrier, index, name, None, lambda _: method(*args, **kwargs))
+            return step.call_once(index, name, None, lambda _: method(*args, **kwargs))
 
         return once
 
@@ -178,19 +241,30 @@ def _as_list(value: Any) -> list[Any]:
 
 
 class _SharedMetric(Module):
-    """Stands in a replica for an original torchmetrics ``Metric``: calls run on the original, one at a time."""
+    """Stands in a replica for an original torchmetrics ``Metric``: calls run on the original, one at a time.
 
-    def __init__(self, metric: Metric, lock: threading.Lock) -> None:
+    Tensor arguments move to the metric's device (the root's), and on CUDA each call runs on the root's stream
+    (:meth:`SharedStep.run_shared`), so the updates of replicas on other streams never race on the metric's states.
+    """
+
+    def __init__(self, metric: Metric, lock: threading.Lock, step: SharedStep) -> None:
         super().__init__()
         object.__setattr__(self, "metric", metric)  # not a submodule: replicas must not copy it
         object.__setattr__(self, "_lock", lock)
+        object.__setattr__(self, "_step", step)
 
     def _locked(self, method: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        device = self.metric.device
-        args = [a.to(device) if isinstance(a, Tensor) else a for a in args]
-        kwargs = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-        with self._lock:
-            return method(*args, **kwargs)
+        device = self._step.root_device
+
+        def call() -> Any:
+            moved = [a.to(device) if isinstance(a, Tensor) else a for a in args]
+            return method(*moved, **{k: v.to(device) if isinstance(v, Tensor) else v for k, v in kwargs.items()})
+
+        with self._lock, _reporting_device(self.metric, device):
+            result = self._step.run_shared(call)
+        if self._step.root_stream is not None:  # used on this replica's stream from now on
+            record_on(result, torch.cuda.current_stream(device))
+        return result
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._locked(self.metric, args, kwargs)
@@ -208,15 +282,36 @@ class _SharedMetric(Module):
         return getattr(self.__dict__["metric"], name)
 
 
+@contextmanager
+def _reporting_device(metric: Metric, device: torch.device) -> Iterator[None]:
+    """While a replica calls the root's ``metric``, it reports the root's device as the replica sees it.
+
+    A metric records the device of its states when it is moved (``Metric._apply``, also called by Lightning's logging
+    between steps); on the CPU emulation that reads ``cpu``, the host's device inside a replica, while the states are
+    the root's, ``cpu:0``. So what the metric makes with ``device=self.device`` during the call lands with its states.
+    """
+    recorded = {module: module.__dict__["_device"] for module in metric.modules() if "_device" in module.__dict__}
+    record_device(metric, device)
+    try:
+        yield
+    finally:
+        for module, previous in recorded.items():
+            module.__dict__["_device"] = previous
+
+
 def find_metrics(root: Module) -> dict[str, Metric]:
     """The torchmetrics ``Metric`` modules of ``root`` by qualified name (found once, at strategy setup)."""
     return {name: module for name, module in root.named_modules() if isinstance(module, Metric)}
 
 
-def share_metrics(replica: Module, metrics: dict[str, Metric], lock: threading.Lock) -> None:
-    """Replace the ``metrics`` (from :func:`find_metrics` on the original) inside ``replica`` by stand-ins for them."""
+def share_metrics(replica: Module, metrics: dict[str, Metric], lock: threading.Lock, step: SharedStep) -> None:
+    """Replace the ``metrics`` (from :func:`find_metrics` on the original) inside ``replica`` by stand-ins for them.
+
+    Every replica's calls then reach the original metric, one at a time, on the root device: ``self.log(name,
+    metric)`` gives the value of one device that saw the whole batch (up to the order of floating-point sums).
+    """
     for name, metric in metrics.items():
         parent_name, _, child = name.rpartition(".")
         parent = replica.get_submodule(parent_name)
         if child in parent._modules:
-            parent._modules[child] = _SharedMetric(metric, lock)
+            parent._modules[child] = _SharedMetric(metric, lock, step)

@@ -13,7 +13,7 @@ from torch.nn.parallel import replicate as cuda_replicate
 
 from lightning_balanced.data_parallel.virtual_device import VirtualDeviceTensor, on_device
 
-__all__ = ["check_replicable", "replicate"]
+__all__ = ["check_replicable", "parameter_copies", "record_device", "refresh_parameter_copies", "replicate"]
 
 ModuleT = TypeVar("ModuleT", bound=Module)
 
@@ -114,9 +114,60 @@ def _replicate_on_host(
                     replica._former_parameters[key] = params[param][j]
             for key, buffer in module._buffers.items():
                 replica._buffers[key] = None if buffer is None else buffer_copies[buffer][j]
-            if "_device" in replica.__dict__:
-                replica.__dict__["_device"] = devices[j]
-    return [replica_modules[0] for replica_modules in copies]
+    replicas = [replica_modules[0] for replica_modules in copies]
+    for replica, device in zip(replicas, devices, strict=True):
+        record_device(replica, device)
+    return replicas
+
+
+def record_device(network: Module, device: torch.device) -> None:
+    """Make every module of ``network`` that records its device report ``device``.
+
+    Lightning's ``DeviceDtypeModuleMixin`` (LightningModules, nested ones included) and torchmetrics' ``Metric`` keep
+    their device in ``_device``, which ``module.to`` sets from the tensors it moved; a CPU tensor reports ``cpu``
+    whatever virtual device it stands for, so the emulation records the virtual device here (as Lightning 1.9's
+    ``update_replica_device_attributes`` did for replicas).
+    """
+    for module in network.modules():
+        if "_device" in module.__dict__:
+            module.__dict__["_device"] = device
+
+
+def parameter_copies(network: Module, replicas: Sequence[Module]) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, copy)`` for every parameter of ``network`` that a replica holds as a copy of its own.
+
+    Broadcast gives each replica but the one on the source device a copy of every parameter (torch's ``replicate``
+    on CUDA, a replica on a repeated GPU included, and the emulation alike); a change of the parameter in place
+    (``optimizer.step()``) does not reach the copies. Call before anything replaces a replica's submodules: the
+    replicas are walked side by side with ``network``.
+
+    Args:
+        network (Module): the module the replicas were made from.
+        replicas (Sequence[Module]): from :func:`replicate` of ``network``.
+
+    Returns:
+        list[tuple[Tensor, Tensor]]: pairs to hand to :func:`refresh_parameter_copies`; copies that share their
+        parameter's memory (replica 0's) are left out.
+    """
+    pairs: list[tuple[Tensor, Tensor]] = []
+    for replica in replicas:
+        for module, copied in zip(network.modules(), replica.modules(), strict=True):
+            for key, param in module._parameters.items():
+                copy = copied.__dict__.get("_former_parameters", {}).get(key)
+                if param is not None and copy is not None and copy.data_ptr() != param.data_ptr():
+                    pairs.append((param, copy))
+    return pairs
+
+
+def refresh_parameter_copies(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """Copy each parameter's current value into its replicas' copies (after ``optimizer.step()`` within a step).
+
+    Without it, a replica's later forward pass in the same step (a GAN's discriminator pass after the generator's
+    step) would read the values from before the step, on GPUs as in the emulation. Autograd does not see the copy.
+    """
+    with torch.no_grad():
+        for param, copy in pairs:
+            copy.copy_(param)
 
 
 def _unregister_parameters(module: Module) -> None:
@@ -182,10 +233,9 @@ def replicate(network: ModuleT, devices: Sequence[torch.device], *, detach: bool
     if devices[0].type == "cuda":
         replicas = cuda_replicate(network, list(devices), detach=detach)
         for index, (replica, device) in enumerate(zip(replicas, devices, strict=True)):
-            for module in replica.modules():
-                if "_device" in module.__dict__:
-                    module.__dict__["_device"] = device
-                if index == 0 and detach:
+            record_device(replica, device)
+            if index == 0 and detach:
+                for module in replica.modules():
                     _unregister_parameters(module)
             if index > 0 and device == devices[0]:
                 _own_buffers(replica)

@@ -13,12 +13,15 @@ streams (Lee et al., 2020).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["Ready", "ready", "record_on", "use_on_current_stream"]
+__all__ = ["Ready", "ready", "record_on", "run_between", "use_on_current_stream"]
+
+T = TypeVar("T")
 
 Ready = torch.cuda.Event | None
 """What :func:`ready` returns: an event on a CUDA stream, or ``None`` off CUDA."""
@@ -67,3 +70,25 @@ def record_on(value: Any, stream: torch.cuda.Stream) -> None:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
             record_on(getattr(value, field.name), stream)
+
+
+def run_between(stream: torch.cuda.Stream | None, others: Sequence[torch.cuda.Stream], work: Callable[[], T]) -> T:
+    """Run ``work`` on ``stream`` after the work queued on ``others``; then ``others`` wait for it.
+
+    For work that one thread does for several replicas, each on a stream of its own (the lockstep calls of manual
+    optimization, an update of a metric they share): ``stream`` waits (on the GPU) for every stream of ``others``,
+    ``work`` runs with ``stream`` current, and every stream of ``others`` waits for ``stream`` before it goes on. So
+    the work sees what each replica queued before it, and each replica sees the work's results; the host never waits.
+    With ``stream`` ``None`` (off CUDA) it is ``work()``.
+    """
+    if stream is None:
+        return work()
+    for other in others:
+        if other != stream:
+            stream.wait_stream(other)
+    with torch.cuda.stream(stream):
+        result = work()
+    for other in others:
+        if other != stream:
+            other.wait_stream(stream)
+    return result

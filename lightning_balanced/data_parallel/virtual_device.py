@@ -7,8 +7,10 @@ tensors of replica ``i`` the identity ``cpu:i``, carried by a tensor subclass (:
 propagates it through every torch operation, and :class:`VirtualDeviceMode`, active in replica ``i``'s thread, applies
 CUDA's rule to every tensor there, as it would hold on GPU ``i``:
 
-* the root is virtual device 0: a plain (untagged) tensor is the root's (its parameters, its attributes, the
-  batch before the scatter, the gathered outputs), and ``x.to(y)`` with such a ``y`` moves ``x`` to ``cpu:0``;
+* the root is virtual device 0: a plain (untagged) tensor is the root's (its parameters, its attributes, what
+  ``module.to(root)`` moved, torchmetrics' metric states included, the batch before the scatter, the gathered
+  outputs); inside a replica its ``device`` reads ``cpu:0``, so ``x.to(y)`` or ``x.to(y.device)`` with such a ``y``
+  moves ``x`` to ``cpu:0``, as ``y`` would be on ``cuda:0``;
 * a tensor made or moved inside the step with ``device=cpu:j`` (``self.device``, ``x.device``) belongs to
   ``cpu:j``; one made without a device (``torch.ones(3)``, ``torch.tensor([1.0])``) or moved with ``.cpu()`` or
   ``.to("cpu")`` is a host tensor, ``cpu``, as it would be next to GPUs;
@@ -216,6 +218,10 @@ class VirtualDeviceMode(TorchFunctionMode):
     ) -> Any:
         """Refuse tensors of two devices; tag what the replica makes or moves with the device it names."""
         kwargs = kwargs or {}
+        if func == _DEVICE_GETTER and _index_of(args[0]) is None:
+            # A plain tensor is the root's (what `module.to(root)` moved: parameters, buffers, metric states), or this
+            # partition's own: its device says so, and `.to(x.device)`, `torch.zeros(n, device=x.device)` follow it.
+            return torch.device("cpu", self.index if id(args[0]) in self.owned else 0)
         tensors = _tensor_args(args, kwargs)
         found = None
         if (len(tensors) > 1 or self.owned) and func not in _ANY_DEVICES:

@@ -40,11 +40,13 @@ from lightning_balanced.data_parallel.replica_batchnorm import (
 )
 from lightning_balanced.data_parallel.replica_context import (
     ReplicaLogRecorder,
+    SharedStep,
     find_metrics,
     install_manual_optimization,
     replay_logs,
     share_metrics,
 )
+from lightning_balanced.data_parallel.replicate import parameter_copies
 from lightning_balanced.data_parallel.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.data_parallel.virtual_device import emulated_device, emulated_step
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
@@ -335,12 +337,21 @@ class BalancedDataParallel(SingleProcess):
         recorders = [ReplicaLogRecorder() for _ in replicas]
         manual = step_name == "training_step" and not module.automatic_optimization
         loss_weights = chunk_weights(chunk_sizes, self.loss_reduction) if manual else []
+        streams = [self._streams[i] for i in run] if self._streams else []
+        shared = SharedStep(
+            barrier,
+            devices[0],
+            torch.cuda.current_stream(self.root_device) if streams else None,
+            streams,
+            # Before share_metrics: the replicas are walked side by side with the dispatcher.
+            parameter_copies(dispatcher, replicas) if manual else (),
+        )
         for i, replica in enumerate(replicas):
             replica_module = replica.module
             replica_module.log = recorders[i].log  # type: ignore[method-assign]
-            share_metrics(replica_module, self._metrics, self._metric_lock)
+            share_metrics(replica_module, self._metrics, self._metric_lock, shared)
             if manual:
-                install_manual_optimization(replica_module, module, i, barrier, loss_weights[i])
+                install_manual_optimization(replica_module, module, i, shared, loss_weights[i])
 
         inference_mode = torch.is_inference_mode_enabled()
         observed = step_name == "training_step" and self._split_observes and batch_size > 0
@@ -359,9 +370,13 @@ class BalancedDataParallel(SingleProcess):
         ]
         failure: BaseException | None = None
         try:
-            streams = [self._streams[i] for i in run] if self._streams else None
             outputs = parallel_apply(
-                replicas, inputs, [k for _, k in scattered], run_devices, executor=self._executor, streams=streams
+                replicas,
+                inputs,
+                [k for _, k in scattered],
+                run_devices,
+                executor=self._executor,
+                streams=streams or None,
             )
         except Exception as wrapped:
             failure = self._replica_error(wrapped, barrier, step_name, batch_size, planned, run_devices)
@@ -489,10 +504,16 @@ class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):
 
     So with the usual per-chunk mean loss, one step equals the single-device step on the whole batch. ``self.log``
     inside steps is recorded per replica and logged once per step from the main thread, as the chunk-weighted mean
-    (or the sum/max/min for those ``reduce_fx``). torchmetrics metrics are not replicated: all replicas update the
-    original metric. Manual optimization works: ``manual_backward`` runs once on the weighted sum of the replicas'
-    losses, ``optimizer.step()`` once per step. A replica that fails surfaces its own exception (with a note naming the
-    replica and device), on CUDA too, where torch's ``parallel_apply`` would re-raise a copy.
+    (or the sum/max/min for those ``reduce_fx``). torchmetrics metrics are not replicated: every replica's call
+    (``update``, ``forward``) reaches the original metric, one at a time, with its inputs moved to the root device, so
+    ``self.log(name, metric)`` gives the single-device value (``forward`` returns the value of the replica's chunk).
+    Under ``torch.nn.DataParallel`` a replica's metric shares the root's state tensors without their device, so an
+    update from another GPU fails or is lost. Manual optimization works: ``manual_backward`` runs once on the
+    weighted sum of the replicas' losses, each ``optimizer.step()``, ``zero_grad()``, ``clip_gradients``,
+    ``toggle_optimizer`` once for all replicas, and after each ``optimizer.step()`` the replicas' copies of the
+    parameters are refreshed from the root's, so a second pass in the same step (a GAN's discriminator after the
+    generator's step) sees the updated parameters, as on one device. A replica that fails surfaces its own exception
+    (with a note naming the replica and device), on CUDA too, where torch's ``parallel_apply`` would re-raise a copy.
 
     What data parallelism changes, as with ``torch.nn.DataParallel``:
 

@@ -161,6 +161,7 @@ class _Mistake(Regressor):
             "gather with a host index": lambda: torch.gather(out, 1, torch.zeros(len(x), 1, dtype=torch.long)),
             "root attribute": lambda: out + self.offset,
             "moved to the root device": lambda: out.to(strategy.root_device) + out,
+            "moved to a root tensor's device": lambda: out.to(self.offset.device) + out,
             "in-place into a root attribute": lambda: self.total.add_(F.mse_loss(out, y).detach()),
             # the correct forms
             "factory on self.device": lambda: out + torch.ones(3, dtype=torch.float64, device=self.device),
@@ -182,6 +183,7 @@ _MISTAKES = {
     "gather with a host index": _HOST_VS_REPLICA,
     "root attribute": _ROOT_VS_REPLICA,
     "moved to the root device": _HOST_VS_REPLICA,  # on GPUs: cuda:0 and cuda:1
+    "moved to a root tensor's device": _ROOT_VS_REPLICA,  # a plain tensor is the root's: its device reads cpu:0
     "in-place into a root attribute": _ROOT_VS_REPLICA,
 }
 
