@@ -9,10 +9,11 @@ Build against the installed torch: ``pip install --no-build-isolation -e ".[test
 * ``LIGHTNING_BALANCED_CUDA=0``: CPU kernels only.
 * ``LIGHTNING_BALANCED_NO_EXT=1``: no extension at all; the ops fall back to pure PyTorch (and warn once).
 
-The extension always links the shared libstdc++, the one torch uses, even when the compiler links it statically
-(``-static-libstdc++`` in ``LDFLAGS`` or in its specs): a private copy breaks the C++ streams ``TORCH_CHECK`` formats
-its messages with (truncated messages, or a crash). After linking, the ``.so``'s dynamic section is read; one that
-still needs no ``libstdc++.so`` is deleted and the build fails naming the cause (on Linux).
+The extension always links the shared libstdc++, the very file torch loaded, even when the compiler links it
+statically (``-static-libstdc++`` in ``LDFLAGS`` or in its specs) or ships only ``libstdc++.a``: a private copy breaks
+the C++ streams ``TORCH_CHECK`` formats its messages with (truncated messages, or a crash). After linking, the
+``.so``'s dynamic section is read; one that still needs no ``libstdc++.so`` is deleted and the build fails naming the
+cause (on Linux).
 
 The toolkit is ``CUDA_HOME`` (or ``CUDA_PATH``) when set, else the directory of ``nvcc``'s real executable (symlinks
 and wrapper scripts followed, as ``nvcc`` itself reports it), else ``/usr/local/cuda``. torch's own guess, the parent
@@ -215,6 +216,38 @@ def needed_libraries(path: Path) -> list[str] | None:
     return needed
 
 
+def loaded_libstdcxx(maps: Path = Path("/proc/self/maps")) -> Path | None:
+    """The shared libstdc++ this process has loaded (torch's own, once torch is imported); ``None`` when none is.
+
+    Read from the memory maps of the process (Linux); ``None`` elsewhere or when they cannot be read.
+    """
+    try:
+        text = maps.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and re.search(r"/libstdc\+\+\.so(\.[0-9]+)*$", fields[5]):
+            return Path(fields[5])
+    return None
+
+
+def libstdcxx_link_args(platform: str = sys.platform, loaded: Path | None = None) -> list[str]:
+    """The arguments that make the link take the shared libstdc++, whatever the compiler does on its own.
+
+    The shared library is named by its file: the one torch loaded in this process (:func:`loaded_libstdcxx`, so the
+    extension uses the same library as torch), else ``-l:libstdc++.so.6``. A plain ``-lstdc++`` is not enough: a
+    compiler may link it statically (``-static-libstdc++`` in ``LDFLAGS`` or in its specs: the driver appends
+    ``-Bstatic -lstdc++ -Bdynamic``), or ship only ``libstdc++.a``, so that every ``-lstdc++``, even after
+    ``-Wl,-Bdynamic``, resolves to the archive (a GCC install seen on a GPU machine). With the shared library on the
+    link line first, every libstdc++ symbol is resolved from it, and nothing is taken from an archive the driver adds.
+    Nothing on other platforms (macOS and Windows builds of torch do not use libstdc++).
+    """
+    if not platform.startswith("linux"):
+        return []
+    return ["-Wl,-Bdynamic", str(loaded) if loaded is not None else "-l:libstdc++.so.6"]
+
+
 def check_shared_libstdcxx(path: Path, platform: str = sys.platform) -> None:
     """Raise ``SystemExit`` (after deleting ``path``) when an ELF ``path`` carries its own static libstdc++.
 
@@ -266,10 +299,7 @@ def _extensions() -> tuple[list, dict]:
         extra_compile_args["nvcc"] = ["-O3", "--fmad=false", "--threads", "0", "-DLIGHTNING_BALANCED_WITH_CUDA"]
         cxx_flags.append("-DLIGHTNING_BALANCED_WITH_CUDA")
         extension = cpp_extension.CUDAExtension
-    # An explicit dynamic -lstdc++ before the driver's own: with -static-libstdc++ (in LDFLAGS or the compiler's specs)
-    # the driver appends `-Bstatic -lstdc++ -Bdynamic`, but every libstdc++ symbol is then already resolved from the
-    # shared library, so nothing is taken from the static archive.
-    extra_link_args = ["-Wl,-Bdynamic", "-lstdc++"] if sys.platform.startswith("linux") else []
+    extra_link_args = libstdcxx_link_args(loaded=loaded_libstdcxx())  # torch, imported above, loaded it
     ext = extension(
         "lightning_balanced._C",
         sources,

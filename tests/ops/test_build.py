@@ -159,9 +159,12 @@ def test_default_architectures_are_torchs_own_that_nvcc_compiles(build: ModuleTy
 
 # ---- libstdc++ ---------------------------------------------------------------------------------------------------
 # A GPU machine's g++ linked libstdc++ statically: the extension held a private copy, and TORCH_CHECK messages came
-# out truncated ("got [") or crashed the process. One build (the slow part, ~25 s on 2 cores) stands for both causes
-# at once: -static-libstdc++ in LDFLAGS, and a compiler (CXX and LDSHARED wrappers) that adds it itself; a fix that
-# handles only one of them still gives a private copy. Tests that need another link reuse its objects (ninja).
+# out truncated ("got [") or crashed the process. One build (the slow part, ~25 s on 2 cores) stands for three causes
+# at once: -static-libstdc++ in LDFLAGS, a compiler (CXX and LDSHARED wrappers) that adds it itself, and a GCC install
+# that ships only libstdc++.a, so that every -lstdc++, even after -Wl,-Bdynamic, resolves to the archive (the default
+# g++ of the GPU machines seen on 2026-11-26; reproduced with a `libstdc++.so` linker script naming the archive, found
+# first through -L). A fix that handles only some of them still gives a private copy. Tests that need another link
+# reuse its objects (ninja).
 needs_linux_cxx = pytest.mark.skipif(
     not sys.platform.startswith("linux") or shutil.which("c++") is None, reason="needs Linux and c++"
 )
@@ -171,10 +174,10 @@ _STATIC_CXX = """#!/bin/sh
 if [ -n "$DROP_SHARED_LIBSTDCXX" ]; then
   for arg do
     shift
-    case "$arg" in -lstdc++|-Wl,-Bdynamic) ;; *) set -- "$@" "$arg" ;; esac
+    case "$arg" in -lstdc++|-l:libstdc++.so*|*/libstdc++.so*|-Wl,-Bdynamic) ;; *) set -- "$@" "$arg" ;; esac
   done
 fi
-exec c++ "$@" -static-libstdc++
+exec c++ -L"$ARCHIVE_ONLY_LIBSTDCXX" "$@" -static-libstdc++
 """
 _NMS_OF_1D_BOXES = """
 import importlib.util, sys, torch
@@ -212,7 +215,11 @@ def static_libstdcxx_build(tmp_path_factory: pytest.TempPathFactory) -> StaticBu
     unset = ("CUDA_HOME", "CUDA_PATH", "FORCE_CUDA", "LIGHTNING_BALANCED_NO_EXT", "CXX", "CC", "LDSHARED")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     compiler = _executable(tmp / "bin" / "g++", _STATIC_CXX)
+    archive = subprocess.run(["c++", "-print-file-name=libstdc++.a"], capture_output=True, text=True, check=True)
+    (tmp / "archive_only").mkdir()
+    (tmp / "archive_only" / "libstdc++.so").write_text(f"INPUT({archive.stdout.strip()})\n")
     env.update(
+        ARCHIVE_ONLY_LIBSTDCXX=str(tmp / "archive_only"),
         LIGHTNING_BALANCED_CUDA="0",
         LDFLAGS=(env.get("LDFLAGS", "") + " -static-libstdc++").strip(),
         CXX=str(compiler),
@@ -249,6 +256,26 @@ def test_a_link_that_still_gives_a_private_libstdcxx_fails_naming_it_and_leaves_
     assert "the compiler linked libstdc++ statically" in relinked.stderr
     assert "Remove -static-libstdc++ from LDFLAGS" in relinked.stderr
     assert not list(out.rglob("_C*.so")), "a statically linked _C was left where it would be installed"
+
+
+def test_the_link_names_the_shared_libstdcxx_torch_loaded_by_its_file(build: ModuleType, tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r--p 00000000 fe:01 11 /opt/py/lib/python3.12/site-packages/torch/lib/libtorch_cpu.so\n"
+        "7f02-7f03 r-xp 00000000 fe:01 12 /usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.33\n"
+        "7f04-7f05 rw-p 00000000 00:00 0 \n"
+    )
+    loaded = build.loaded_libstdcxx(maps)
+    assert loaded == Path("/usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.33")
+    assert build.libstdcxx_link_args("linux", loaded) == ["-Wl,-Bdynamic", str(loaded)]
+    maps.write_text("7f00-7f01 r--p 00000000 fe:01 11 /usr/lib/libc.so.6\n")
+    assert build.loaded_libstdcxx(maps) is None
+    assert build.loaded_libstdcxx(tmp_path / "missing") is None
+    assert build.libstdcxx_link_args("linux", None) == ["-Wl,-Bdynamic", "-l:libstdc++.so.6"]
+    assert build.libstdcxx_link_args("darwin", loaded) == []
+    if sys.platform.startswith("linux"):  # this process imported torch, which loaded it
+        found = build.loaded_libstdcxx()
+        assert found is not None and found.name.startswith("libstdc++.so") and found.exists()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("cc") is None, reason="needs Linux and cc")
