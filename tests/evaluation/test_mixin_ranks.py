@@ -342,8 +342,9 @@ def test_balanced_dp_on_several_gpus_gathers_on_the_root_device(devices: list[to
     out = model.out
     assert out["y"].device == torch.device("cuda", 0) and out["indices"].tolist() == list(range(9))
     assert all(t.device == torch.device("cuda", 0) for t in out["per_sample"])
-    expected = model.layer(x.cuda(0)).detach()
-    torch.testing.assert_close(out["y"], expected)  # float32 matmul per device: TF32 may differ, hence a tolerance
+    # Lightning's teardown moved the module back to the host: the reference runs there, and the comparison too.
+    expected = model.layer(x).detach()
+    torch.testing.assert_close(out["y"].cpu(), expected)  # float32 on two devices: summation order, a tolerance
     assert out["ids"] == [str(i) for i in range(9)]
 
 

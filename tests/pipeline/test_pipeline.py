@@ -437,11 +437,11 @@ def test_cuda_two_devices_equal_the_unpipelined_model(checkpoint: str, devices: 
 def test_cuda_dropout_recompute_and_deferred_batchnorm(devices: list[torch.device]) -> None:
     grads = {}
     for checkpoint in ["always", "never"]:
+        torch.manual_seed(5)  # before the model: both runs start from the same weights, input and dropout masks
         model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2)).double()
         DeferredBatchNorm.convert_deferred_batch_norm(model)
         pipe = Pipe(model, [2, 2], devices, chunks=3, checkpoint=checkpoint)
         pipe.place()
-        torch.manual_seed(5)
         pipe(torch.randn(9, 5, dtype=torch.float64, device="cuda:0")).sum().backward()
         grads[checkpoint] = [p.grad.cpu() for p in model.parameters()]
     for a, b in zip(grads["always"], grads["never"], strict=True):

@@ -48,7 +48,7 @@ class BatchNormNet(pl.LightningModule):
         return F.mse_loss(self.flat_bn(self.head(self.features(x))), y)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.losses.append(outputs["loss"].detach().clone())
+        self.losses.append(outputs["loss"].detach().cpu())  # on the host, to compare with runs on other devices
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)

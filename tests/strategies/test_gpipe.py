@@ -387,15 +387,29 @@ def test_no_device_move_takes_the_pipelined_layers_along_with_the_rest_of_the_mo
 
 @pytest.mark.parametrize("devices", CUDA_DEVICE_LISTS)
 def test_init_module_makes_layers_in_host_memory_not_on_device_0(devices: list[torch.device]) -> None:
+    class Placement(Callback):
+        """Where the first and last layers train (read before teardown moves the module back to the host)."""
+
+        def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            layers = module.sequential_module
+            self.devices = [layers[0].weight.device, layers[5].weight.device]
+
+    placement = Placement()
     strategy = GPipeStrategy(balance=[4, 2], chunks=2, parallel_devices=devices)
-    trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=gpu_ids(devices), precision="64-true")
+    trainer = quiet_trainer(
+        strategy=strategy,
+        accelerator="cuda",
+        devices=gpu_ids(devices),
+        precision="64-true",
+        max_steps=1,
+        callbacks=[placement],
+    )
     with trainer.init_module():
         model = SequentialModel()
     assert {p.device for p in model.parameters()} == {torch.device("cpu")}
     assert {p.dtype for p in model.parameters()} == {torch.float64}
     trainer.fit(model, data())
-    assert model.sequential_module[0].weight.device == devices[0]
-    assert model.sequential_module[5].weight.device == devices[1]
+    assert placement.devices == [devices[0], devices[1]]
 
 
 # ---- the CPU emulation: partition j on virtual device cpu:j ---------------------------------------------------------
@@ -522,18 +536,39 @@ class WideModel(pl.LightningModule):
 @pytest.mark.parametrize("balance", [[4, 4], "auto"])
 def test_device_0_never_holds_the_whole_pipelined_model(balance: Any) -> None:
     # Partitions on cuda:0 and the host: cuda:0 should hold at most half of the layers (16 MiB) plus small activations;
-    # putting the whole model there first, or measuring "auto" with every layer on it, peaks at 32 MiB or more.
+    # putting the whole model there first, or measuring "auto" with every layer on it, peaks at 32 MiB or more. The
+    # first matmul on a stream makes cuBLAS take a workspace from the caching allocator (32 MiB on sm_90): the one of
+    # the partition's new compute stream counts on top, this thread's stream is warmed before the measurement.
     model = WideModel()
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     loader = DataLoader(TensorDataset(torch.randn(16, 1024)), batch_size=8)
     strategy = GPipeStrategy(balance=balance, chunks=2, parallel_devices=GPU_AND_HOST)
     trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=[0])
+    workspace = _cublas_workspace_bytes(torch.device("cuda", 0))
     torch.cuda.synchronize(0)
     torch.cuda.reset_peak_memory_stats(0)
     before = torch.cuda.memory_allocated(0)
     trainer.validate(model, loader, verbose=False)
     peak = torch.cuda.max_memory_allocated(0) - before
-    assert peak < 0.75 * whole, f"cuda:0 peaked at {peak / 2**20:.1f} MiB for a {whole / 2**20:.1f} MiB model"
+    budget = 0.75 * whole + workspace
+    assert peak < budget, (
+        f"cuda:0 peaked at {peak / 2**20:.1f} MiB for a {whole / 2**20:.1f} MiB model (budget {budget / 2**20:.1f} MiB,"
+        f" {workspace / 2**20:.1f} MiB of it a stream's cuBLAS workspace)"
+    )
+
+
+def _cublas_workspace_bytes(device: torch.device) -> int:
+    """What cuBLAS takes from the caching allocator for a stream's first matmul; warms this thread's stream too."""
+    a = torch.ones(8, 8, device=device)
+    (a @ a).sum().item()  # this thread's current stream has its workspace from now on
+    stream = torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.cuda.stream(stream):
+        product = a @ a
+    torch.cuda.synchronize(device)
+    grown = torch.cuda.memory_allocated(device) - before - product.numel() * product.element_size()
+    return max(grown, 0)
 
 
 @RunIf(min_cuda_gpus=1)
