@@ -30,7 +30,10 @@ every device runs its own backward pass in parallel; the device phase shows what
 plans are even or within a few samples of it, and the ratios show the run's noise.
 
 ``--device cuda`` runs the same job on one GPU with replicas sharing it (``parallel_devices=[cuda:0] * n``; no
-emulated slowdown there) and prints ``auto / even``, the overhead of profiling and timing with CUDA events.
+emulated slowdown there) and prints ``auto / even``, the overhead of profiling and timing with CUDA events, and
+``auto_plan_skew_cuda``, how far ``auto``'s chunks are from equal (the largest ``|chunk - batch / n| / (batch / n)``
+over its plans; target <= 0.05: identical replicas on one GPU are planned as that one GPU, once the strategy tells
+``AutoSplit`` which replicas share it, ``AutoSplit.set_devices``; the line says whether it did).
 
 Usage: ``python benchmarks/bench_auto_split.py [--steps 30] [--warmup 8] [--batch 256] [--grid 16] [--repeats 3]
 [--quick]``
@@ -46,7 +49,7 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,12 @@ class _DevicePhase(SplitPolicy):
     def set_capacities(self, capacity_bytes: list[int | None]) -> None:
         self.policy.set_capacities(capacity_bytes)
 
+    def set_devices(self, devices: Sequence[torch.device]) -> None:
+        # AutoSplit learns from the strategy which replicas share a GPU; the other policies have no such method.
+        set_devices = getattr(self.policy, "set_devices", None)
+        if set_devices is not None:
+            set_devices(devices)
+
     def observe(self, chunk_sizes: list[int], seconds: list[float], peak_bytes: list[int | None] | None = None) -> None:
         self.phases.append(max(seconds))
         if type(self.policy).observe is not SplitPolicy.observe:
@@ -102,6 +111,7 @@ class _Measured:
     phases: list[float] = field(default_factory=list)
     fit_seconds: list[float] = field(default_factory=list)
     plans: list[list[int]] = field(default_factory=list)
+    shared: list[list[int]] | None = None  # AutoSplit's groups of replicas on one device, from its last fit
 
     @property
     def step(self) -> float:
@@ -136,6 +146,8 @@ def _fit(policy: SplitPolicy, num_devices: int, args: argparse.Namespace, into: 
     measured.steps += timer.times[args.warmup :]
     measured.phases += timed.phases[args.warmup :]
     measured.plans.append(policy.plan(args.batch, num_devices))
+    if isinstance(policy, AutoSplit):
+        measured.shared = policy.shared_devices
     return measured
 
 
@@ -197,7 +209,16 @@ def main() -> None:
         print(
             f"one GPU, 2 replicas: even {even.step * 1e3:.2f} ms, auto {auto.step * 1e3:.2f} ms (plans {_plans(auto)})"
         )
+        print(
+            f"  AutoSplit planned replicas {auto.shared} as one GPU"
+            if auto.shared
+            else "  AutoSplit was not told that the replicas share the GPU (the strategy does not call set_devices):"
+            " each replica planned by its own CUDA events, which span the other's work too"
+        )
+        equal = args.batch / 2
+        skew = max(abs(size - equal) / equal for plan in auto.plans for size in plan)
         print(f"auto_over_even_throughput_cuda={even.step / auto.step:.3f}")
+        print(f"auto_plan_skew_cuda={skew:.3f}")
         return
     print(
         f"digits CNN, batch {args.batch}, {args.steps} measured steps after {args.warmup}, {args.threads} threads,"

@@ -1,8 +1,25 @@
-"""Suite-wide pytest options: ``--cuda-only`` runs just the tests that need a CUDA GPU or nvcc (tools/gpu_check.py)."""
+"""Suite-wide pytest options: ``--cuda-only`` runs just the tests that need a CUDA GPU or nvcc (tools/gpu_check.py).
+
+A test that leaves ``torch.cuda``'s sync debug mode set fails, and the mode is reset: left at ``"error"``, it fails
+every later test of the process at its first blocking copy (seen on a GPU machine on 2026-11-26).
+
+Under pytest-xdist each worker process gets its share of the cores for torch's intra-op threads: with ``-n 15`` on
+16 cores, every worker would otherwise start 16 threads, 240 in all, and oversubscribe the machine.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = getattr(config, "workerinput", None)  # set by pytest-xdist on its worker processes only
+    if worker is not None and int(worker["workercount"]) > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(worker["workercount"])))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -22,3 +39,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (selected if needs_cuda else deselected).append(item)
     config.hook.pytest_deselected(items=deselected)
     items[:] = selected
+
+
+@pytest.fixture(autouse=True)
+def _sync_debug_mode_is_left_as_found() -> Iterator[None]:
+    if not torch.cuda.is_available():
+        yield
+        return
+    yield
+    if torch.cuda.get_sync_debug_mode() != 0:
+        torch.cuda.set_sync_debug_mode("default")
+        pytest.fail("the test left torch.cuda's sync debug mode set; it was reset to 'default'")

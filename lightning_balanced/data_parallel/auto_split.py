@@ -7,6 +7,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_balanced.arguments import check_int, check_real
@@ -40,6 +41,12 @@ class AutoSplit(SplitPolicy):
     change of speed, never a spike), and then from the medians over those steps. Every plan is logged, one line per
     device, with a ``chunk_sizes=[...]`` line to pin it. A batch of another size (validation, test, predict, the last
     batch) gets the last plan's proportions.
+
+    Replicas that share one physical device (several replicas on one GPU, told by :meth:`set_devices`) are planned as
+    that one device: the device's time for a step is the longest of its replicas' times, its speed is its replicas'
+    samples over that time, its memory the device's peak against those samples, capped by the device's whole capacity;
+    and its replicas get equal chunks of its share. A replica's own time on a shared GPU cannot tell its speed: its
+    CUDA events span the other replicas' work on the device too.
 
     Sources: the rounding is largest-remainder (Hamilton) apportionment; measuring each part's time and memory before
     splitting follows torchgpipe's ``balance_by_time`` / ``balance_by_size`` (Kim et al., 2020, arXiv:2004.09910),
@@ -86,12 +93,77 @@ class AutoSplit(SplitPolicy):
         self._planned: list[int] | None = None
         self._planned_speeds: list[float] | None = None
         self._batch_size = 0
+        self._groups: list[list[int]] = []
         self.replans = 0
 
     def set_capacities(self, capacity_bytes: list[int | None]) -> None:
         """Each device's memory in bytes, from the strategy at setup; ``capacity_bytes`` given here takes precedence."""
         if self.capacity_bytes is None and any(c is not None for c in capacity_bytes):
             self._capacities = list(capacity_bytes)
+
+    def set_devices(self, devices: Sequence[torch.device]) -> None:
+        """Learn which replicas share one physical device, once at setup, before the first plan.
+
+        Replicas given the same device (``parallel_devices=[cuda:0, cuda:0]``: one GPU, a stream per replica) run side
+        by side on it, so the CUDA events of each replica's stream time the other replicas' work on the device as well:
+        between two identical replicas they measure which one started first, not a speed (on an H100, identical
+        replicas measured 1.11e-5 and 1.73e-5 s/sample and were planned ``[156, 100]``). So each group of replicas on
+        one device is planned as the device (see the class docstring): in every step it observes, each replica of a
+        group of ``k`` that ran ``n`` samples is taken to have run at ``k * T / N`` seconds per sample, where ``N`` is
+        the samples of the group's replicas that ran and ``T`` the longest of their times (their streams start
+        together after the scatter, so the longest spans the device's work on all ``N``): equal seconds per sample in
+        the group, equal chunks, and the group's total in proportion to the device's speed. Distinct devices (two
+        GPUs, the CPU emulation's virtual devices ``cpu:0``, ``cpu:1``, ...) are timed each on its own, as without it.
+
+        Args:
+            devices (Sequence[torch.device | str]): one device per replica, in replica order, with its index
+                (``cuda:0``, not ``cuda``), as the strategy runs them.
+
+        Raises:
+            TypeError, RuntimeError: an entry that is not a device (``torch.device``'s own errors).
+        """
+        found: dict[torch.device, list[int]] = {}
+        for index, device in enumerate(devices):
+            found.setdefault(torch.device(device), []).append(index)
+        self._groups = [group for group in found.values() if len(group) > 1]
+
+    @property
+    def shared_devices(self) -> list[list[int]]:
+        """The groups of replica indices that share one device (from :meth:`set_devices`); ``[]`` when none do."""
+        return [list(group) for group in self._groups]
+
+    def _group(self, device: int, num_devices: int) -> list[int]:
+        """The replicas (below ``num_devices``) on ``device``'s physical device, ``device`` itself included."""
+        for group in self._groups:
+            if device in group:
+                return [i for i in group if i < num_devices]
+        return [device]
+
+    def _device_seconds(self, chunk_sizes: Sequence[int], seconds: Sequence[float]) -> list[float]:
+        """``seconds`` with each shared device's time apportioned to its replicas (see :meth:`set_devices`).
+
+        Pure: for every group of replicas on one device, those that ran (``chunk_sizes[i] > 0``), ``N`` samples in
+        all, get ``chunk_sizes[i] * k * T / N`` seconds, with ``T`` the longest of their seconds and ``k`` the replicas
+        of the group; every other entry is returned as it is.
+        """
+        out = [float(s) for s in seconds]
+        for group in self._groups:
+            members = [i for i in group if i < len(chunk_sizes)]
+            ran = [i for i in members if chunk_sizes[i] > 0]
+            if not ran:
+                continue
+            per_sample = max(out[i] for i in ran) * len(members) / sum(chunk_sizes[i] for i in ran)
+            for i in ran:
+                out[i] = per_sample * chunk_sizes[i]
+        return out
+
+    def _device_memory(
+        self, device: int, chunk_sizes: Sequence[int], peak_bytes: Sequence[int | None]
+    ) -> tuple[int, int]:
+        """``(samples, peak)`` of ``device``'s physical device in a step: a shared one's, over all its replicas."""
+        ran = [i for i in self._group(device, len(chunk_sizes)) if chunk_sizes[i] > 0]
+        peaks = [int(b) for i in ran if (b := peak_bytes[i]) is not None]
+        return sum(chunk_sizes[i] for i in ran), max(peaks)
 
     def observe(self, chunk_sizes: list[int], seconds: list[float], peak_bytes: list[int | None] | None = None) -> None:
         """Record one training step; re-plan at the end of profiling or on drift (see the class docstring).
@@ -109,13 +181,16 @@ class AutoSplit(SplitPolicy):
         self._seen += 1
         if self._seen <= self.warmup_steps:
             return
-        self._window.append((list(chunk_sizes), list(seconds)))
+        self._window.append((list(chunk_sizes), self._device_seconds(chunk_sizes, seconds)))
         if peak_bytes is not None:
             if not self._memory:
                 self._memory = [[] for _ in chunk_sizes]
             for i, (n, b) in enumerate(zip(chunk_sizes, peak_bytes, strict=True)):
-                if n > 0 and b is not None and (not self._memory[i] or self._memory[i][-1][0] != n):
-                    self._memory[i] = [*self._memory[i][-1:], (n, int(b))]
+                if n > 0 and b is not None:
+                    # A shared device's peak is the whole device's: against the samples of all its replicas.
+                    samples, peak = self._device_memory(i, chunk_sizes, peak_bytes)
+                    if not self._memory[i] or self._memory[i][-1][0] != samples:
+                        self._memory[i] = [*self._memory[i][-1:], (samples, peak)]
         total = sum(chunk_sizes)
         measured = self._seen - self.warmup_steps
         if self._planned_speeds is None:
@@ -144,7 +219,10 @@ class AutoSplit(SplitPolicy):
         return all(r > planned + bound for r in rates) or all(r < planned - bound for r in rates)
 
     def seconds_per_sample(self, num_devices: int, last: int | None = None) -> list[float | None]:
-        """Each device's median ``seconds / chunk_size`` over the last ``last`` steps, to 3 significant digits."""
+        """Each device's median ``seconds / chunk_size`` over the last ``last`` steps, to 3 significant digits.
+
+        For replicas that share a device, the seconds apportioned from the device's time (see :meth:`set_devices`).
+        """
         steps = list(self._window)[-(last or len(self._window)) :]
         out: list[float | None] = []
         for i in range(num_devices):
@@ -157,7 +235,8 @@ class AutoSplit(SplitPolicy):
 
         From the peaks at its last two chunk sizes, the line through them (slope >= 0); from a single chunk size, the
         conservative ``(0, peak / chunk_size)``, which over-predicts any larger chunk (it charges the fixed part to
-        every sample) and so never lets a plan exceed the cap.
+        every sample) and so never lets a plan exceed the cap. For replicas that share a device, the device's: its
+        peaks against the samples of all its replicas.
         """
         if not self._memory or not self._memory[device]:
             return None
@@ -181,20 +260,35 @@ class AutoSplit(SplitPolicy):
         for i, (n, r) in enumerate(zip(self._planned, rates_used, strict=True)):
             model = self._memory_model(i)
             memory = "" if model is None else f", {model[1]:.0f} B/sample + {model[0]:.0f} B fixed"
-            lines.append(f"  device {i}: {n} samples, {r:.3g} s/sample{memory}")
+            group = self._group(i, num_devices)
+            shared = f", one device with devices {group}" if len(group) > 1 else ""
+            lines.append(f"  device {i}: {n} samples, {r:.3g} s/sample{memory}{shared}")
         lines.append(f"  to pin it: chunk_sizes={self._planned}")
         rank_zero_info("\n".join(lines))
 
+    def _capacity(self, device: int, num_devices: int) -> int | None:
+        """The capacity of ``device``'s physical device: the sum of its replicas' shares; ``None`` if one is unknown."""
+        capacities = self._capacities
+        if capacities is None:
+            return None
+        shares = [capacities[i] if i < len(capacities) else None for i in self._group(device, num_devices)]
+        return None if any(share is None for share in shares) else sum(share for share in shares if share is not None)
+
     def _caps(self, num_devices: int) -> list[int | None]:
-        """The most samples each device can hold, ``None`` where its capacity or its memory model is unknown."""
+        """The most samples each device can hold, ``None`` where its capacity or its memory model is unknown.
+
+        A device that replicas share holds its samples in equal parts (:func:`even_split`) for its replicas.
+        """
         caps: list[int | None] = []
         for i in range(num_devices):
             model = self._memory_model(i)
-            capacity = None if self._capacities is None or i >= len(self._capacities) else self._capacities[i]
+            capacity = self._capacity(i, num_devices)
             if model is None or capacity is None or model[1] <= 0:
                 caps.append(None)
             else:
-                caps.append(max(math.floor((self.memory_fraction * capacity - model[0]) / model[1]), 0))
+                held = max(math.floor((self.memory_fraction * capacity - model[0]) / model[1]), 0)
+                group = self._group(i, num_devices)
+                caps.append(even_split(held, len(group))[group.index(i)])
         return caps
 
     def _split(self, batch_size: int, speeds: list[float]) -> list[int]:
@@ -230,8 +324,12 @@ class AutoSplit(SplitPolicy):
         parts = []
         for i, cap in enumerate(caps):
             fixed, per_sample = self._memory_model(i) or (0.0, 0.0)
+            group = self._group(i, num_devices)
+            capacity = f"{self._capacities[i]} B"
+            if len(group) > 1:
+                capacity = f"{self._capacity(i, num_devices)} B (one device with devices {group})"
             parts.append(
-                f"device {i}: capacity {self._capacities[i]} B x memory_fraction {self.memory_fraction}, predicted"
+                f"device {i}: capacity {capacity} x memory_fraction {self.memory_fraction}, predicted"
                 f" {fixed:.0f} B + {per_sample:.0f} B/sample: at most {cap} samples"
             )
         need = min(

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any, Literal
 
+import torch
+
 from lightning_balanced.arguments import check_int, check_real
 
 __all__ = [
@@ -95,6 +97,12 @@ class SplitPolicy(ABC):
         the replicas that share that GPU) and, on the CPU emulation, a virtual device's emulated capacity
         (:class:`~lightning_balanced.data_parallel.virtual_device.EmulatedDevice`), else ``None``. It is called only
         for a policy that overrides :meth:`observe`.
+        """
+
+    def set_devices(self, devices: Sequence[torch.device]) -> None:  # noqa: B027 (most policies ignore devices)
+        """Learn each replica's device, once at setup, before the first plan (several replicas may share one GPU).
+
+        Called, like :meth:`set_capacities`, only for a policy that overrides :meth:`observe`.
         """
 
     def observe(  # noqa: B027 (most policies do not learn)

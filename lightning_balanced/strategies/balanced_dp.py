@@ -255,6 +255,7 @@ class BalancedDataParallel(SingleProcess):
         )
         if self._split_observes:
             self.split.set_capacities(self._capacities())
+            self.split.set_devices(list(self._devices))
         if num_devices > 1 and self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=num_devices - 1, thread_name_prefix="balanced_dp")
         # On CUDA, a stream per replica (not per device), so replicas that share a GPU still run side by side.
