@@ -1,7 +1,7 @@
 """PyTorch Lightning plugins for one multi-GPU box.
 
 Importing the package registers its strategies, so ``Trainer(strategy="balanced_dp")``,
-``Trainer(strategy="ddp_lr_linear")`` and ``Trainer(strategy="gpipe")`` work.
+``Trainer(strategy="ddp_lr_linear")``, ``Trainer(strategy="gpipe")`` and ``Trainer(strategy="pipeline")`` work.
 """
 
 from lightning_balanced import _moved_modules
@@ -17,7 +17,12 @@ from lightning_balanced.data_parallel import (
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset, coco_map, postprocess_detections
 from lightning_balanced.lr_scaling import unscale_learning_rates
 from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
-from lightning_balanced.strategies import BalancedDataParallelStrategy, GPipeStrategy, LRScaledDDPStrategy
+from lightning_balanced.strategies import (
+    BalancedDataParallelStrategy,
+    GPipeStrategy,
+    LRScaledDDPStrategy,
+    PipelineStrategy,
+)
 from lightning_balanced.strategies.registration import register_strategies
 
 __version__ = "0.1.0.dev0"
@@ -35,6 +40,7 @@ __all__ = [
     "Gpu0Budget",
     "IndexedDataset",
     "LRScaledDDPStrategy",
+    "PipelineStrategy",
     "SplitPolicy",
     "SyncBatchNorm",
     "Weights",

@@ -8,5 +8,6 @@ registration does not read: a new strategy needs a line here only to have such a
 from lightning_balanced.strategies.balanced_dp import BalancedDataParallelStrategy
 from lightning_balanced.strategies.ddp_lr import LRScaledDDPStrategy
 from lightning_balanced.strategies.gpipe import GPipeStrategy
+from lightning_balanced.strategies.pipeline import PipelineStrategy
 
-__all__ = ["BalancedDataParallelStrategy", "GPipeStrategy", "LRScaledDDPStrategy"]
+__all__ = ["BalancedDataParallelStrategy", "GPipeStrategy", "LRScaledDDPStrategy", "PipelineStrategy"]

@@ -1,0 +1,146 @@
+"""Where the stages of a multi-process pipeline live: torch's schedules by name, and the stages of each rank.
+
+Pure functions, used by :class:`~lightning_balanced.strategies.pipeline.PipelineStrategy`: which
+``torch.distributed.pipelining`` schedule a name stands for (and the torch release that added it), which stage
+indices each rank of the pipeline holds for that schedule, and the cut of an ``nn.Sequential`` into stages.
+
+Source: ``torch.distributed.pipelining`` (PyTorch 2.4+); the looped and V-shaped stage placements follow the
+schedules' own conventions (Narayanan et al., SC 2021, for the interleaved schedule; Qi et al., ICLR 2024, "Zero
+Bubble Pipeline Parallelism", for the zero-bubble and V schedules).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+__all__ = ["SCHEDULES", "ScheduleSpec", "cut_sequential", "schedule_spec", "stage_indices", "stage_owners"]
+
+Placement = Literal["single", "loop", "v"]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule of ``torch.distributed.pipelining``.
+
+    Attributes:
+        name (str): as ``PipelineStrategy(schedule=...)`` takes it, torch's class name without ``Schedule``.
+        class_name (str): the class in ``torch.distributed.pipelining``.
+        added_in (str): the first torch release that has it.
+        placement (str): ``"single"`` (one stage per rank), ``"loop"`` (rank ``r`` of ``p`` holds stages ``r``,
+            ``r + p``, ``r + 2p``, ...) or ``"v"`` (two stages per rank, ``r`` and ``2p - 1 - r``).
+    """
+
+    name: str
+    class_name: str
+    added_in: str
+    placement: Placement
+
+    def schedule_class(self) -> type:
+        """The class, from the installed torch.
+
+        Raises:
+            ValueError: the installed torch does not have it; the message names the release that added it.
+        """
+        import torch.distributed.pipelining as pipelining
+
+        found = getattr(pipelining, self.class_name, None)
+        if found is None:
+            raise ValueError(
+                f"`schedule`={self.name!r} is torch.distributed.pipelining.{self.class_name}, added in torch"
+                f" {self.added_in}; the installed torch is {torch.__version__}. Upgrade torch or choose another"
+                " schedule"
+            )
+        return found  # type: ignore[no-any-return]
+
+
+#: The schedules by name.
+SCHEDULES: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("GPipe", "ScheduleGPipe", "2.4", "single"),
+        ScheduleSpec("1F1B", "Schedule1F1B", "2.4", "single"),
+        ScheduleSpec("Interleaved1F1B", "ScheduleInterleaved1F1B", "2.4", "loop"),
+        ScheduleSpec("LoopedBFS", "ScheduleLoopedBFS", "2.4", "loop"),
+        ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", "2.5", "loop"),
+        ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", "2.6", "v"),
+        ScheduleSpec("DualPipeV", "ScheduleDualPipeV", "2.8", "v"),
+    )
+}
+
+
+def schedule_spec(name: object) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` of ``name``.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: an unknown name; the message lists the known ones.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"`schedule` must be the name of a schedule (a str), got {name!r}")
+    if name not in SCHEDULES:
+        raise ValueError(f"`schedule` must be one of {list(SCHEDULES)}, got {name!r}")
+    return SCHEDULES[name]
+
+
+def stage_indices(rank: int, pipeline_size: int, stages_per_rank: int, placement: Placement) -> list[int]:
+    """The stage indices rank ``rank`` of a pipeline of ``pipeline_size`` ranks holds, in increasing order.
+
+    Args:
+        rank (int): the rank within the pipeline, ``0 .. pipeline_size - 1``.
+        pipeline_size (int): ranks in the pipeline, ``p``.
+        stages_per_rank (int): stages each rank holds, ``k``; ``pipeline_size * stages_per_rank`` stages in all.
+        placement (str): see :class:`ScheduleSpec`.
+
+    Raises:
+        ValueError: ``stages_per_rank`` other than 1 for ``"single"``, other than 2 for ``"v"``, below 2 for
+            ``"loop"``.
+    """
+    required = {"single": "1", "v": "2", "loop": "at least 2"}[placement]
+    if (
+        (placement == "single" and stages_per_rank != 1)
+        or (placement == "v" and stages_per_rank != 2)
+        or (placement == "loop" and stages_per_rank < 2)
+    ):
+        raise ValueError(
+            f"`stages_per_rank` must be {required} for a schedule with {placement!r} stage placement, got"
+            f" {stages_per_rank}"
+        )
+    if placement == "v":
+        return [rank, 2 * pipeline_size - 1 - rank]
+    return [rank + i * pipeline_size for i in range(stages_per_rank)]
+
+
+def stage_owners(pipeline_size: int, stages_per_rank: int, placement: Placement) -> list[int]:
+    """For each stage index, the rank of the pipeline that holds it (the inverse of :func:`stage_indices`)."""
+    owners = [0] * (pipeline_size * stages_per_rank)
+    for rank in range(pipeline_size):
+        for stage in stage_indices(rank, pipeline_size, stages_per_rank, placement):
+            owners[stage] = rank
+    return owners
+
+
+def cut_sequential(sequential: nn.Sequential, balance: list[int]) -> list[nn.Sequential]:
+    """The stages: consecutive layers of ``sequential``, ``balance[s]`` of them in stage ``s``.
+
+    The stages hold ``sequential``'s own layer objects under their own names (no copies); ``sequential`` is left as it
+    is, so its ``state_dict`` keys do not change.
+
+    Raises:
+        ValueError: ``balance`` does not cover the layers exactly or holds an entry below 1.
+    """
+    if any(size < 1 for size in balance) or sum(balance) != len(sequential):
+        raise ValueError(
+            f"`balance` {balance} must hold one entry >= 1 per stage and sum to the {len(sequential)} layers of the"
+            " nn.Sequential"
+        )
+    layers = list(sequential._modules.items())
+    stages, start = [], 0
+    for size in balance:
+        stages.append(nn.Sequential(OrderedDict(layers[start : start + size])))
+        start += size
+    return stages

@@ -1,0 +1,564 @@
+"""Pipeline parallelism across processes and machines, on ``torch.distributed.pipelining``, times data parallelism."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
+from typing_extensions import override
+
+from lightning_balanced.arguments import check_int
+from lightning_balanced.pipeline.balance import even_balance
+from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_forward
+from lightning_balanced.pipeline.pipe import validate_balance
+from lightning_balanced.pipeline.stage_plan import (
+    ScheduleSpec,
+    cut_sequential,
+    schedule_spec,
+    stage_indices,
+    stage_owners,
+)
+from lightning_balanced.strategies.registration import RegisteredStrategy
+
+__all__ = ["PipelineStrategy"]
+
+log = logging.getLogger(__name__)
+
+#: The LightningModule hook the last stage calls on each micro-batch.
+LOSS_HOOK = "compute_loss"
+
+
+class _CheckpointedStage(nn.Module):
+    """A stage whose activations are recomputed in backward (``torch.utils.checkpoint``, non-reentrant)."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: Tensor) -> Any:
+        return activation_checkpoint(self.stage, x, use_reentrant=False)
+
+
+class _PipelinedSequential(nn.Sequential):
+    """The ``nn.Sequential`` while the strategy runs: the same layers, names and ``state_dict``.
+
+    Its forward runs the input through every stage of the pipeline and returns the last stage's output on every rank
+    (evaluation).
+    """
+
+    def __init__(self, original: nn.Sequential, strategy: PipelineStrategy) -> None:
+        super().__init__(OrderedDict(original._modules))
+        self.train(original.training)
+        self.__dict__["_original"] = original  # not a child: the layers are registered once, under their names
+        self.__dict__["_strategy"] = strategy
+
+    def forward(self, input: Tensor) -> Tensor:
+        strategy: PipelineStrategy = self.__dict__["_strategy"]
+        return strategy._forward(input)
+
+    def unwrap(self) -> nn.Sequential:
+        original: nn.Sequential = self.__dict__["_original"]
+        original.train(self.training)
+        return original
+
+
+class PipelineStrategy(RegisteredStrategy, DDPStrategy):
+    """Pipeline parallelism across processes and machines: an ``nn.Sequential`` cut into stages, one process each.
+
+    A multi-process strategy launched like DDP (Lightning's subprocess and spawn launchers, ``torchrun``, SLURM;
+    ``devices=`` and ``num_nodes=``), on ``torch.distributed.pipelining``: the ``nn.Sequential`` at ``module_name`` on
+    the LightningModule is cut into ``pipeline_parallel_size * stages_per_rank`` stages by ``balance``; each rank moves
+    its own stages to its device (the other layers stay in host memory where they were made, and never go to a
+    device), and every training batch runs through torch's ``schedule`` in ``chunks`` micro-batches.
+
+    The contract of the LightningModule:
+
+    * the batch is ``(input, target)``: the first stage takes ``input``, the last stage ``target``;
+    * ``compute_loss(self, output, target) -> Tensor``, the loss of one micro-batch (a mean over its samples, as
+      ``F.cross_entropy`` gives by default): the last stage calls it on each micro-batch. The LightningModule's
+      ``training_step`` is not called (Lightning still asks for one: write it as ``loss = self.compute_loss(
+      self.sequential_module(x), y)``, so the module trains the same under any strategy); the strategy's runs the
+      schedule, which does the forward and the backward pass itself, and logs the batch's loss as ``train_loss``
+      (the mean of the micro-batches' losses, equal to the loss of the unpipelined model on the whole batch) on every
+      rank. Do not ``self.log`` inside ``compute_loss`` (only the last stage's rank calls it);
+    * ``validation_step``, ``test_step`` and ``predict_step`` run unchanged on every rank: calling the
+      ``nn.Sequential`` runs a forward-only pass through the stages and returns the last stage's output on every
+      rank, so their logs and outputs are the same on all ranks of a pipeline.
+
+    Gradients equal the unpipelined model's: each micro-batch's loss is weighted by ``1 / chunks`` (torch's
+    ``scale_grads`` is off), so the gradient is that of the mean over the batch. Gradient accumulation and
+    ``zero_grad`` work as in Lightning's loop (the schedule's gradients are handed over in ``backward``); gradient
+    clipping by norm uses the global norm over all stages. Checkpoints hold the whole model in the plain
+    ``nn.Sequential`` layout (each stage's weights are sent to every rank before saving) and the optimizer states of
+    every stage, so they load under any strategy and any ``balance``; after ``fit`` every rank holds the whole trained
+    model.
+
+    Data parallel x pipeline: with ``pipeline_parallel_size=p`` and a world of ``p * d`` processes, the ranks form a
+    2-D ``DeviceMesh`` ``("dp", "pp")``: ``d`` pipelines, each of ``p`` consecutive ranks, each fed its own shard of the
+    data (``DistributedSampler`` over the ``d`` replicas); after each batch the gradients of every stage are averaged
+    over its ``d`` replicas with an ``all_reduce`` on the ``dp`` group, so a step equals the unpipelined model's on the
+    global batch of ``d`` shards. The logged loss is averaged over the replicas too.
+
+    Args:
+        schedule: the name of a ``torch.distributed.pipelining`` schedule: ``"GPipe"``, ``"1F1B"`` (one stage per
+            rank), ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"`` (``stages_per_rank >= 2``,
+            looped), ``"ZBVZeroBubble"``, ``"DualPipeV"`` (two stages per rank, V-shaped), each where the installed
+            torch has it.
+        chunks: micro-batches per batch; the batch size must be a multiple of it.
+        balance: layers per stage (``pipeline_parallel_size * stages_per_rank`` entries), or ``None`` to spread
+            them evenly by count.
+        stages_per_rank: stages each rank holds; ``None``: 1 for single-stage schedules, 2 for the others.
+        pipeline_parallel_size: ranks per pipeline, ``p``; ``None``: the whole world (no data parallelism).
+        activation_checkpointing: recompute each stage's activations in backward instead of keeping them
+            (``torch.utils.checkpoint``, non-reentrant).
+        module_name: the attribute of the LightningModule that holds the ``nn.Sequential``.
+        **kwargs: what :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``process_group_backend``,
+            ``timeout``, ``start_method``, ...).
+
+    Raises:
+        TypeError: ``chunks``, ``stages_per_rank`` or ``pipeline_parallel_size`` not an integer, ``schedule`` not a
+            string, ``activation_checkpointing`` not a bool; in a step, a batch that is not ``(input, target)``.
+        ValueError: an unknown ``schedule``, or one the installed torch lacks (naming the release that adds it);
+            ``chunks`` or ``pipeline_parallel_size`` below 1; ``stages_per_rank`` that the schedule does not take; at
+            setup, a world size that ``pipeline_parallel_size`` does not divide, a missing ``nn.Sequential``, a
+            ``balance`` that does not cover its layers, fewer layers than stages, manual optimization,
+            ``sync_batchnorm=True``, or no ``compute_loss``; in a step, a batch size that ``chunks`` does not divide.
+
+    Source: ``torch.distributed.pipelining`` (PyTorch 2.4+): ``PipelineStage`` and its schedules; GPipe (Huang et
+    al., NeurIPS 2019), 1F1B (PipeDream-Flush, Narayanan et al., 2021), zero-bubble schedules (Qi et al., ICLR 2024);
+    torchtitan's ``("dp", "pp")`` device mesh; Lightning 1.x's ``DDPSequentialPlugin`` for ``module_name``.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        schedule: str = "1F1B",
+        chunks: int = 4,
+        balance: Sequence[int] | None = None,
+        stages_per_rank: int | None = None,
+        pipeline_parallel_size: int | None = None,
+        activation_checkpointing: bool = False,
+        module_name: str = "sequential_module",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.schedule: ScheduleSpec = schedule_spec(schedule)
+        self.schedule.schedule_class()  # a schedule the installed torch lacks fails here, naming its release
+        self.chunks = check_int("chunks", chunks, minimum=1)
+        default_stages = 1 if self.schedule.placement == "single" else 2
+        self.stages_per_rank = (
+            default_stages if stages_per_rank is None else check_int("stages_per_rank", stages_per_rank, minimum=1)
+        )
+        stage_indices(0, 1, self.stages_per_rank, self.schedule.placement)  # the schedule takes this many
+        self.balance = None if balance is None else validate_balance(balance)
+        self.pipeline_parallel_size = None
+        if pipeline_parallel_size is not None:
+            self.pipeline_parallel_size = check_int("pipeline_parallel_size", pipeline_parallel_size, minimum=1)
+        if not isinstance(activation_checkpointing, bool):
+            raise TypeError(f"`activation_checkpointing` must be a bool, got {activation_checkpointing!r}")
+        self.activation_checkpointing = activation_checkpointing
+        if not isinstance(module_name, str) or not module_name:
+            raise TypeError(f"`module_name` must be the name of an attribute (a non-empty str), got {module_name!r}")
+        self.module_name = module_name
+        self._pp_group: dist.ProcessGroup | None = None
+        self._dp_group: dist.ProcessGroup | None = None
+        self._pipelined: _PipelinedSequential | None = None
+        self._stages: dict[int, nn.Module] = {}
+        self._owners: list[int] = []
+        self._schedules: dict[tuple[Any, ...], Any] = {}
+        self._step_grads: list[tuple[Tensor, Tensor]] = []
+
+    # ---- topology --------------------------------------------------------------------------------------------------
+    @property
+    def pipeline_size(self) -> int:
+        """Ranks per pipeline, ``p``."""
+        return self.pipeline_parallel_size or self.world_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Pipelines, ``d = world_size / p``: the data-parallel world size."""
+        return self.world_size // self.pipeline_size
+
+    @property
+    def pipeline_rank(self) -> int:
+        """This rank within its pipeline: the stage position (``global_rank % p``)."""
+        return self.global_rank % self.pipeline_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which pipeline this rank is in (``global_rank // p``): its data shard."""
+        return self.global_rank // self.pipeline_size
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """One shard per pipeline: the ranks of a pipeline read the same batches."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        p = self.pipeline_size
+        if self.world_size % p:
+            raise ValueError(
+                f"`pipeline_parallel_size`={p} must divide the world size {self.world_size} (devices x num_nodes)"
+            )
+        if self.data_parallel_size == 1:
+            self._pp_group, self._dp_group = dist.group.WORLD, None
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.root_device.type, (self.data_parallel_size, p), mesh_dim_names=("dp", "pp"))
+        self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+
+    # ---- placement -------------------------------------------------------------------------------------------------
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Tensors made under ``trainer.init_module()`` go to host memory: each rank moves only its own stages."""
+        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        """This rank's stages and the rest of the LightningModule to the device; other stages stay in host memory."""
+        module = self.lightning_module
+        assert self.model is not None and module is not None
+        pipelined = self._pipelined
+        if pipelined is None or module._modules.get(self.module_name) is not pipelined:
+            self.model.to(self.root_device)
+            return
+        module._modules[self.module_name] = None  # `Module._apply` skips an empty slot; the key keeps its position
+        try:
+            self.model.to(self.root_device)
+        finally:
+            module._modules[self.module_name] = pipelined
+        for stage in self._stages.values():
+            stage.to(self.root_device)
+
+    # ---- setup and teardown ----------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        module = self.lightning_module
+        assert module is not None
+        if self._layer_sync is not None:
+            raise ValueError("`Trainer(sync_batchnorm=True)` is not supported with strategy='pipeline'")
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not module.automatic_optimization:
+            raise ValueError(
+                "strategy='pipeline' runs the forward and backward pass itself (torch's pipeline schedule):"
+                " manual optimization (`automatic_optimization = False`) is not supported"
+            )
+        if fitting and not callable(getattr(module, LOSS_HOOK, None)):
+            raise ValueError(
+                f"strategy='pipeline' needs `{type(module).__name__}.{LOSS_HOOK}(self, output, target) -> Tensor`:"
+                " the loss of one micro-batch, which the last stage calls on each micro-batch"
+            )
+        self.accelerator.setup(trainer)
+        self._build_stages(module)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self._report()
+
+    def _build_stages(self, module: pl.LightningModule) -> None:
+        sequential = getattr(module, self.module_name, None)
+        if isinstance(sequential, _PipelinedSequential):
+            sequential = sequential.unwrap()
+        if not isinstance(sequential, nn.Sequential):
+            raise ValueError(
+                f"strategy='pipeline' pipelines the nn.Sequential at `{type(module).__name__}.{self.module_name}`,"
+                f" found {type(sequential).__name__}; set `module_name` to the attribute that holds it"
+            )
+        p, k = self.pipeline_size, self.stages_per_rank
+        num_stages = p * k
+        if self.balance is None:
+            if len(sequential) < num_stages:
+                raise ValueError(
+                    f"`{self.module_name}` has {len(sequential)} layers, fewer than the {num_stages} stages"
+                    f" ({p} ranks x {k} stages per rank)"
+                )
+            balance = even_balance(len(sequential), num_stages)
+        else:
+            balance = list(self.balance)
+            if len(balance) != num_stages:
+                raise ValueError(
+                    f"`balance` {balance} must hold one entry per stage: {num_stages} ({p} ranks x {k} stages per rank)"
+                )
+        self._balance = balance
+        stages = cut_sequential(sequential, balance)
+        self._owners = stage_owners(p, k, self.schedule.placement)
+        mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
+        self._stages = {
+            s: _CheckpointedStage(stages[s]) if self.activation_checkpointing else stages[s] for s in mine
+        }
+        self._schedules = {}
+        self._pipelined = _PipelinedSequential(sequential, self)
+        setattr(module, self.module_name, self._pipelined)
+
+    def _report(self) -> None:
+        lines = [
+            f"pipeline: schedule {self.schedule.name}, {self.chunks} micro-batches, {len(self._balance)} stages over"
+            f" {self.pipeline_size} ranks x {self.data_parallel_size} data-parallel replicas"
+        ]
+        start = 0
+        for stage, size in enumerate(self._balance):
+            lines.append(f"  stage {stage}: layers {start}..{start + size - 1} on pipeline rank {self._owners[stage]}")
+            start += size
+        rank_zero_info("\n".join(lines))
+
+    @override
+    def on_train_end(self) -> None:
+        self._share_stages()  # every rank holds the whole trained model after fit
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if self._pipelined is not None and module is not None:
+            setattr(module, self.module_name, self._pipelined.unwrap())
+        self._pipelined = None
+        self._stages = {}
+        self._schedules = {}
+        self._step_grads = []
+        super().teardown()
+
+    # ---- the steps -------------------------------------------------------------------------------------------------
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
+        return model  # the schedule does the stages' communication; gradients are averaged over `dp` explicitly
+
+    @property
+    def _last_owner(self) -> int:
+        return self._owners[-1]
+
+    def _own_parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for stage in self._stages.values():
+            for param in stage.parameters():
+                seen.setdefault(id(param), param)
+        return list(seen.values())
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs["batch"]
+        x, y = _input_and_target(batch)
+        batch_size = x.shape[0]
+        if batch_size % self.chunks:
+            raise ValueError(
+                f"strategy='pipeline' splits each batch into `chunks`={self.chunks} equal micro-batches, but a batch"
+                f" has {batch_size} samples: use a batch size that is a multiple of {self.chunks} (and"
+                " `drop_last=True` for a short last batch)"
+            )
+        x, y = x.to(self.root_device), y.to(self.root_device)
+        schedule = self._schedule_for(x)
+        own = self._own_parameters()
+        previous = [param.grad for param in own]
+        for param in own:
+            param.grad = None
+        losses: list[Tensor] = []
+        step_args: tuple[Any, ...] = (x,) if 0 in self._stages else ()
+        step_kwargs: dict[str, Any] = {"target": y, "losses": losses} if len(self._owners) - 1 in self._stages else {}
+        with self.precision_plugin.train_step_context():
+            schedule.step(*step_args, **step_kwargs)
+        # float64 on every rank: only the last stage's rank knows the loss's own dtype before the broadcast.
+        loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        for micro_batch_loss in losses:
+            loss += micro_batch_loss.detach().to(loss)
+        assert self._pp_group is not None
+        dist.broadcast(loss, dist.get_global_rank(self._pp_group, self._last_owner), group=self._pp_group)
+        if self._dp_group is not None:
+            for param in own:
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=self._dp_group)
+                    param.grad /= self.data_parallel_size
+            dist.all_reduce(loss, group=self._dp_group)
+            loss /= self.data_parallel_size
+        self._step_grads = [(param, param.grad) for param in own if param.grad is not None]
+        for param, grad in zip(own, previous, strict=True):
+            param.grad = grad
+        assert self.lightning_module is not None
+        self.lightning_module.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Hand over the gradients the schedule computed in ``training_step`` (added to ``.grad``, as backward does)."""
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for param, grad in self._step_grads:
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._step_grads = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _loss(self, output: Tensor, target: Tensor) -> Tensor:
+        module = self.lightning_module
+        assert module is not None
+        loss: Tensor = getattr(module, LOSS_HOOK)(output, target)
+        return loss / self.chunks
+
+    def _schedule_for(self, x: Tensor) -> Any:
+        """The schedule for batches shaped as ``x`` (built on the first such batch: its stages' shapes are static)."""
+        micro = x[: x.shape[0] // self.chunks]
+        key = (tuple(micro.shape), micro.dtype)
+        if key in self._schedules:
+            return self._schedules[key]
+        from torch.distributed.pipelining import PipelineStage
+
+        examples = StageExamples({}, {})
+        training = {m: m.training for stage in self._stages.values() for m in stage.modules()}
+        try:
+            for stage in self._stages.values():
+                stage.eval()  # shapes only: no running statistics updated, no random numbers drawn
+            with torch.no_grad():
+                self._pipelined_forward(micro, examples)
+        finally:
+            for m, mode in training.items():
+                m.training = mode
+        num_stages = len(self._owners)
+        # What travels in training: activations that take part in autograd (the stage's input from the previous stage
+        # and its output), so the schedule sends and receives their gradients; the data (stage 0's input) does not.
+        for index in self._stages:
+            _example_requires_grad(examples.inputs[index], index > 0)
+            _example_requires_grad(examples.outputs[index], True)
+        stages = [
+            PipelineStage(
+                stage,
+                index,
+                num_stages,
+                self.root_device,
+                input_args=examples.inputs[index],
+                output_args=examples.outputs[index],
+                group=self._pp_group,
+            )
+            for index, stage in sorted(self._stages.items())
+        ]
+        schedule_class = self.schedule.schedule_class()
+        options: dict[str, Any] = {"n_microbatches": self.chunks, "loss_fn": self._loss}
+        if "scale_grads" in inspect.signature(schedule_class).parameters:
+            options["scale_grads"] = False  # the loss is weighted by 1 / chunks instead, on every torch
+        schedule = schedule_class(stages[0] if self.schedule.placement == "single" else stages, **options)
+        self._schedules[key] = schedule
+        return schedule
+
+    def _pipelined_forward(self, x: Tensor, examples: StageExamples | None = None) -> Tensor:
+        assert self._pp_group is not None
+        return pipelined_forward(
+            x, self._stages, self._owners, self.pipeline_rank, self._pp_group, self.root_device, examples
+        )
+
+    def _forward(self, x: Tensor) -> Tensor:
+        """The ``nn.Sequential``'s forward while the strategy runs: the last stage's output on every rank."""
+        return self._pipelined_forward(x)
+
+    # ---- gradient clipping -----------------------------------------------------------------------------------------
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``clip_grad_norm_`` with the norm over every stage's gradients (each rank holds its stages' only)."""
+        grads = [p.grad for p in self._own_parameters() if p.grad is not None]
+        local = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        for grad in grads:
+            local += grad.detach().double().pow(2).sum().to(local.device)
+        dist.all_reduce(local, group=self._pp_group)
+        total = math.sqrt(local.item())
+        coefficient = clip_val / (total + 1e-6)
+        if coefficient < 1:
+            for grad in grads:
+                grad.detach().mul_(coefficient)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------------
+    def _share_stages(self) -> None:
+        """Every stage's parameters and buffers from the rank that trains it to every rank of the pipeline."""
+        if self._pp_group is None or self._pipelined is None or not dist.is_initialized():
+            return
+        sequential = self._pipelined
+        assert sequential is not None
+        start = 0
+        for stage, size in enumerate(self._balance):
+            source = dist.get_global_rank(self._pp_group, self._owners[stage])
+            for layer in list(sequential)[start : start + size]:
+                for tensor in [*layer.parameters(), *layer.buffers()]:
+                    moved = tensor.detach().to(self.root_device)
+                    dist.broadcast(moved, source, group=self._pp_group)
+                    if moved is not tensor:
+                        with torch.no_grad():
+                            tensor.copy_(moved)
+            start += size
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model: every stage's weights, from the ranks that train them."""
+        self._share_stages()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state for every stage's parameters, gathered from the ranks of the pipeline."""
+        state = super().optimizer_state(optimizer)
+        if self._pp_group is None or not dist.is_initialized():
+            return state
+        own_state: dict[int, Any] = state["state"]  # type: ignore[assignment]
+        local = {index: _to_host(value) for index, value in own_state.items()}
+        gathered: list[dict[int, Any] | None] = [None] * self.pipeline_size
+        dist.all_gather_object(gathered, local, group=self._pp_group)
+        merged: dict[int, Any] = {}
+        for part in gathered:
+            merged.update(part or {})
+        return {**state, "state": merged}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each optimizer's state, kept for this rank's stages only, on their device."""
+        own = {id(p) for p in self._own_parameters()}
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            optimizer.load_state_dict(state)
+            for param in list(optimizer.state):
+                if id(param) not in own:
+                    del optimizer.state[param]
+                    continue
+                for key, value in optimizer.state[param].items():
+                    if isinstance(value, Tensor) and key != "step":
+                        optimizer.state[param][key] = value.to(param.device)
+
+
+def _input_and_target(batch: Any) -> tuple[Tensor, Tensor]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
+        return batch[0], batch[1]
+    raise TypeError(
+        "strategy='pipeline' takes batches of `(input, target)` tensors: the first stage reads `input`, the last"
+        f" stage's `compute_loss` gets `target`; got {type(batch).__name__}"
+    )
+
+
+def _example_requires_grad(example: Tensor, requires_grad: bool) -> None:
+    example.requires_grad_(requires_grad and (example.is_floating_point() or example.is_complex()))
+
+
+def _to_host(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,236 @@
+"""strategy="pipeline": torch.distributed.pipelining under Lightning, on 2 (or 4) real gloo CPU ranks, against the
+unpipelined model trained in one process.
+
+float64 throughout: the runs differ only in how micro-batch gradients are summed (~1e-16 relative), so 1e-10 on the
+weights after three SGD steps with momentum is wide, yet an unweighted micro-batch sum (x chunks) or a stale stage
+would miss it by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_balanced import PipelineStrategy
+from lightning_balanced.pipeline.stage_plan import SCHEDULES, stage_indices, stage_owners
+from tests.distributed import run_distributed
+from tests.helpers import quiet_trainer, raises_exactly
+
+EXACT = {"rtol": 0, "atol": 1e-10}
+LR = 0.1
+
+
+class PipelinedRegressor(pl.LightningModule):
+    """A float64 MLP in an ``nn.Sequential`` of 6 layers, with its loss as the pipeline's hook."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.sequential_module = nn.Sequential(
+            nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(dropout), nn.Tanh(), nn.Linear(16, 3)
+        ).double()
+        self.val_losses: list[float] = []
+
+    def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        # What strategy="pipeline" does in its stead, so the module trains the same under any strategy.
+        x, y = batch
+        loss = self.compute_loss(self.sequential_module(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = self.compute_loss(self.sequential_module(x), y)
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.sequential_module(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+
+def _data(n: int = 24) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(
+        torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 3, generator=g, dtype=torch.float64)
+    )
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        self.losses.append(trainer.callback_metrics["train_loss"].item())
+
+
+class _NoLoss(PipelinedRegressor):
+    compute_loss = None  # type: ignore[assignment]
+
+
+def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[Any]:
+    results: list[Any] = []
+    for run in runs:
+        model = _NoLoss() if run.get("no_loss") else PipelinedRegressor()
+        losses = _Losses()
+        strategy = PipelineStrategy(**run["strategy"])
+        trainer = quiet_trainer(strategy, world_size, max_steps=3, callbacks=[losses], **run.get("trainer", {}))
+        loader = DataLoader(_data(), batch_size=8, shuffle=False)
+        if run.get("no_loss"):
+            with pytest.raises(ValueError) as info:
+                trainer.fit(model, loader)
+            results.append(str(info.value))
+            continue
+        trainer.fit(model, loader)
+        val = trainer.validate(model, DataLoader(_data(8), batch_size=4), verbose=False)[0]["val_loss"]
+        results.append(
+            {
+                "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "losses": losses.losses,
+                "val_loss": val,
+                "stages_on_rank": sorted(strategy_stage_indices(strategy)),
+            }
+        )
+    return results
+
+
+def strategy_stage_indices(strategy: PipelineStrategy) -> list[int]:
+    return stage_indices(
+        strategy.pipeline_rank, strategy.pipeline_size, strategy.stages_per_rank, strategy.schedule.placement
+    )
+
+
+def _available(name: str) -> bool:
+    import torch.distributed.pipelining as pipelining
+
+    return hasattr(pipelining, SCHEDULES[name].class_name)
+
+
+_SCHEDULE_RUNS = [
+    {"strategy": {"schedule": name, "chunks": 4}}
+    for name in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+    if _available(name)
+] + [{"strategy": {"schedule": "1F1B", "chunks": 2, "balance": [2, 4], "activation_checkpointing": True}}]
+_CLIPPED = {"strategy": {"schedule": "GPipe", "chunks": 4}, "trainer": {"gradient_clip_val": 0.05}}
+_NO_LOSS = {"strategy": {"schedule": "GPipe", "chunks": 4}, "no_loss": True}
+
+
+def _reference(steps: int, batch_size: int = 8, shards: int = 1, clip: float | None = None) -> tuple[Any, list[float]]:
+    """The unpipelined model in one process: SGD on each global batch, the ``shards`` data-parallel shards side by side.
+
+    The samples come in the order of Lightning's ``DistributedSampler`` for training (shuffled with seed 0, epoch by
+    epoch): one shard per pipeline.
+    """
+    model = PipelinedRegressor()
+    optimizer = model.configure_optimizers()
+    data = _data()
+    x, y = data[:]
+    batches = []
+    epoch = 0
+    while len(batches) < steps:  # Lightning reshuffles each epoch (set_epoch)
+        orders = []
+        for shard in range(shards):
+            sampler = DistributedSampler(data, num_replicas=shards, rank=shard, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        for start in range(0, len(orders[0]), batch_size):
+            batches.append(torch.tensor([i for order in orders for i in order[start : start + batch_size]]))
+        epoch += 1
+    losses = []
+    for index in batches[:steps]:
+        optimizer.zero_grad()
+        loss = F.mse_loss(model.sequential_module(x[index]), y[index])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def _assert_trained_as(
+    ranks: list[dict[str, Any]], state: dict[str, torch.Tensor], losses: list[float], run: Any
+) -> None:
+    for rank in ranks:  # every rank holds the whole trained model and logged the same losses
+        for name, value in rank["state"].items():
+            torch.testing.assert_close(value, state[name], **EXACT, msg=f"{run} {name}")
+        assert rank["losses"] == pytest.approx(losses, rel=1e-12), run
+
+
+def test_every_schedule_trains_as_the_unpipelined_model_on_two_ranks() -> None:
+    runs = [*_SCHEDULE_RUNS, _CLIPPED, _NO_LOSS]
+    results = run_distributed(_fit_rank, 2, runs, timeout_s=600)
+    expected_state, expected_losses = _reference(3)
+    x, y = _data(8)[:]
+    with torch.no_grad():
+        reference_model = PipelinedRegressor()
+        reference_model.load_state_dict(expected_state)
+        expected_val = F.mse_loss(reference_model.sequential_module(x), y).item()
+    for index, run in enumerate(_SCHEDULE_RUNS):
+        ranks = [results[rank][index] for rank in range(2)]
+        _assert_trained_as(ranks, expected_state, expected_losses, run)
+        assert [rank["val_loss"] for rank in ranks] == pytest.approx([expected_val] * 2, rel=1e-12), run
+        stages = sorted(s for rank in ranks for s in rank["stages_on_rank"])
+        assert stages == list(range(len(stages))), run  # each stage on one rank
+    # Gradient clipping by norm: the global norm over both ranks' stages, as clip_grad_norm_ on the whole model.
+    clipped_state, clipped_losses = _reference(3, clip=0.05)
+    _assert_trained_as(
+        [results[rank][len(_SCHEDULE_RUNS)] for rank in range(2)], clipped_state, clipped_losses, _CLIPPED
+    )
+    assert [results[rank][-1] for rank in range(2)] == [
+        "strategy='pipeline' needs `_NoLoss.compute_loss(self, output, target) -> Tensor`: the loss of one"
+        " micro-batch, which the last stage calls on each micro-batch"
+    ] * 2
+
+
+def test_two_pipelines_of_two_ranks_equal_one_process_on_the_global_batch() -> None:
+    runs = [{"strategy": {"schedule": "1F1B", "chunks": 2, "pipeline_parallel_size": 2}}]
+    results = run_distributed(_fit_rank, 4, runs, timeout_s=600)
+    expected_state, expected_losses = _reference(3, shards=2)
+    for rank in results:
+        for name, value in rank[0]["state"].items():
+            torch.testing.assert_close(value, expected_state[name], **EXACT, msg=name)
+        assert rank[0]["losses"] == pytest.approx(expected_losses, rel=1e-12)
+
+
+# ---- pure parts: placements and arguments --------------------------------------------------------------------------
+def test_stage_placements_follow_the_schedules_conventions() -> None:
+    assert [stage_indices(r, 4, 1, "single") for r in range(4)] == [[0], [1], [2], [3]]
+    assert [stage_indices(r, 2, 3, "loop") for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
+    assert [stage_indices(r, 4, 2, "v") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert stage_owners(2, 2, "v") == [0, 1, 1, 0]
+    with raises_exactly(ValueError, "`stages_per_rank` must be 2 for a schedule with 'v' stage placement, got 3"):
+        stage_indices(0, 2, 3, "v")
+
+
+def test_bad_arguments_name_what_was_expected() -> None:
+    with raises_exactly(ValueError, f"`schedule` must be one of {list(SCHEDULES)}, got 'PipeDream'"):
+        PipelineStrategy(schedule="PipeDream")
+    with raises_exactly(ValueError, "`stages_per_rank` must be 1 for a schedule with 'single' stage placement, got 2"):
+        PipelineStrategy(schedule="1F1B", stages_per_rank=2)
+    with raises_exactly(TypeError, "`activation_checkpointing` must be a bool, got 'yes'"):
+        PipelineStrategy(activation_checkpointing="yes")  # type: ignore[arg-type]
+
+
+def test_a_schedule_the_installed_torch_lacks_names_the_release_that_adds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.pipelining as pipelining
+
+    monkeypatch.delattr(pipelining, "ScheduleZBVZeroBubble", raising=False)
+    with raises_exactly(
+        ValueError,
+        "`schedule`='ZBVZeroBubble' is torch.distributed.pipelining.ScheduleZBVZeroBubble, added in torch 2.6; the"
+        f" installed torch is {torch.__version__}. Upgrade torch or choose another schedule",
+    ):
+        PipelineStrategy(schedule="ZBVZeroBubble")
