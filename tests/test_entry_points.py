@@ -148,9 +148,10 @@ def test_import_registers_our_strategies_in_both_registries() -> None:
     standalone_registry = pytest.importorskip("pytorch_lightning.strategies").StrategyRegistry
     from lightning_balanced.strategies import pytorch_lightning_compat
 
-    # gpipe has no standalone variant (README); every other name is registered in both, with the same arguments.
-    assert "gpipe" in ours and "gpipe" not in standalone_registry
-    for name in set(ours) - {"gpipe"}:
+    # gpipe and pipeline have no standalone variant (README); every other name is registered in both, alike.
+    for own_code in ("gpipe", "pipeline"):
+        assert own_code in ours and own_code not in standalone_registry
+    for name in set(ours) - {"gpipe", "pipeline"}:
         assert standalone_registry[name]["strategy"] in pytorch_lightning_compat.STRATEGIES
         assert standalone_registry[name]["init_params"] == StrategyRegistry[name]["init_params"]
 

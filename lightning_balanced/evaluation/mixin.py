@@ -224,7 +224,9 @@ class DistributedEvalMixin:
         Args:
             dataset_size (int, optional): number of samples in the evaluation set, needed only without indices;
                 by default the length of the current evaluation dataloader's dataset.
-            group (ProcessGroup, optional): the ranks to gather over (default: the world).
+            group (ProcessGroup, optional): the ranks to gather over; by default the strategy's
+                ``data_parallel_group`` where it has one (``strategy="pipeline"``: the ranks of a pipeline hold the same
+                outputs), else the world.
             timeout_s (float): how long, in seconds, to wait for the other ranks to call it.
 
         Returns:
@@ -245,6 +247,9 @@ class DistributedEvalMixin:
         buffer, self._eval_buffer = self._eval_buffer, []
         if dataset_size is None and (not buffer or buffer[0].indices is None):  # needed without indices only
             dataset_size = self._eval_dataset_size()
+        if group is None:
+            trainer = getattr(self, "_trainer", None)
+            group = getattr(trainer.strategy, "data_parallel_group", None) if trainer is not None else None
         return _gather(buffer, dataset_size, group, self._root_device(), timeout_s)  # type: ignore[no-any-return]
 
     def _root_device(self) -> torch.device:

@@ -220,12 +220,23 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
                 f"`pipeline_parallel_size`={p} must divide the world size {self.world_size} (devices x num_nodes)"
             )
         if self.data_parallel_size == 1:
-            self._pp_group, self._dp_group = dist.group.WORLD, None
+            # One pipeline: a data-parallel group of one rank each (every rank calls new_group for every group).
+            singles = [dist.new_group([rank]) for rank in range(self.world_size)]
+            self._pp_group, self._dp_group = dist.group.WORLD, singles[self.global_rank]
             return
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(self.root_device.type, (self.data_parallel_size, p), mesh_dim_names=("dp", "pp"))
         self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold the same stages, one per pipeline: where each shard of the data is gathered.
+
+        :class:`~lightning_balanced.evaluation.DistributedEvalMixin` gathers over it by default: the ranks of one
+        pipeline hold the same outputs, so gathering over the world would count each sample ``p`` times.
+        """
+        return self._dp_group
 
     # ---- placement -------------------------------------------------------------------------------------------------
     @contextmanager
@@ -386,7 +397,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
             loss += micro_batch_loss.detach().to(loss)
         assert self._pp_group is not None
         dist.broadcast(loss, dist.get_global_rank(self._pp_group, self._last_owner), group=self._pp_group)
-        if self._dp_group is not None:
+        if self.data_parallel_size > 1:
             for param in own:
                 if param.grad is not None:
                     dist.all_reduce(param.grad, group=self._dp_group)

@@ -8,6 +8,7 @@ would miss it by orders of magnitude.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_balanced import PipelineStrategy
+from lightning_balanced import DistributedEvalMixin, PipelineStrategy
 from lightning_balanced.pipeline.stage_plan import SCHEDULES, stage_indices, stage_owners
 from tests.distributed import run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
@@ -80,6 +81,17 @@ class _NoLoss(PipelinedRegressor):
     compute_loss = None  # type: ignore[assignment]
 
 
+class _Evaluated(DistributedEvalMixin, PipelinedRegressor):
+    """Gathers every validation prediction (no indices: the sampler's order) at the epoch's end."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        self.add_eval_outputs(pred=self.sequential_module(batch[0]))
+
+    def on_validation_epoch_end(self) -> None:
+        self.gathered = self.gather_eval_outputs()["pred"]
+
+
 def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[Any]:
     results: list[Any] = []
     for run in runs:
@@ -95,14 +107,33 @@ def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[An
             continue
         trainer.fit(model, loader)
         val = trainer.validate(model, DataLoader(_data(8), batch_size=4), verbose=False)[0]["val_loss"]
-        results.append(
-            {
-                "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "losses": losses.losses,
-                "val_loss": val,
-                "stages_on_rank": sorted(strategy_stage_indices(strategy)),
-            }
-        )
+        result = {
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "losses": losses.losses,
+            "val_loss": val,
+            "stages_on_rank": sorted(strategy_stage_indices(strategy)),
+        }
+        if run.get("checkpoint"):  # one epoch, saved, resumed for a second under a new strategy; and two at once
+            path = f"{run['checkpoint']}/pipeline.ckpt"
+            first = quiet_trainer(PipelineStrategy(**run["strategy"]), world_size, max_epochs=1)
+            first.fit(PipelinedRegressor(), DataLoader(_data(), batch_size=8))
+            first.save_checkpoint(path)
+            resumed = PipelinedRegressor()
+            again = quiet_trainer(PipelineStrategy(**run["strategy"]), world_size, max_epochs=2)
+            again.fit(resumed, DataLoader(_data(), batch_size=8), ckpt_path=path)
+            uninterrupted = PipelinedRegressor()
+            whole = quiet_trainer(PipelineStrategy(**run["strategy"]), world_size, max_epochs=2)
+            whole.fit(uninterrupted, DataLoader(_data(), batch_size=8))
+            result["resumed"] = {k: v.detach().clone() for k, v in resumed.state_dict().items()}
+            result["uninterrupted"] = {k: v.detach().clone() for k, v in uninterrupted.state_dict().items()}
+            result["steps"] = whole.global_step
+            evaluated = _Evaluated()
+            evaluated.load_state_dict(resumed.state_dict())
+            tester = quiet_trainer(PipelineStrategy(**run["strategy"]), world_size)
+            tester.validate(evaluated, DataLoader(_data(8), batch_size=4), verbose=False)
+            result["gathered"] = evaluated.gathered
+            result["predicted"] = torch.cat(tester.predict(evaluated, DataLoader(_data(8), batch_size=4)))
+        results.append(result)
     return results
 
 
@@ -195,14 +226,44 @@ def test_every_schedule_trains_as_the_unpipelined_model_on_two_ranks() -> None:
     ] * 2
 
 
-def test_two_pipelines_of_two_ranks_equal_one_process_on_the_global_batch() -> None:
-    runs = [{"strategy": {"schedule": "1F1B", "chunks": 2, "pipeline_parallel_size": 2}}]
+def _check_checkpoint_and_evaluation(ranks: list[dict[str, Any]], checkpoint: Path, shards: int) -> None:
+    # The checkpoint (after one epoch) holds the whole model in the plain layout: it loads into the unpipelined module.
+    steps = ranks[0]["steps"]  # two epochs
+    expected_state, _ = _reference(steps // 2, shards=shards)
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    plain = PipelinedRegressor()
+    plain.load_state_dict(saved["state_dict"])
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(value, expected_state[name], **EXACT, msg=name)
+    # Resumed for the second epoch (weights and every stage's momentum): as two epochs at once, and as one process.
+    two_epochs, _ = _reference(steps, shards=shards)
+    reference = PipelinedRegressor()
+    reference.load_state_dict(two_epochs)
+    x, _ = _data(8)[:]
+    with torch.no_grad():
+        expected_pred = reference.sequential_module(x)
+    for index, rank in enumerate(ranks):
+        for name, value in rank["resumed"].items():
+            torch.testing.assert_close(value, rank["uninterrupted"][name], **EXACT, msg=name)
+            torch.testing.assert_close(value, two_epochs[name], **EXACT, msg=name)
+        # The mixin gathers over the data-parallel group: each validation sample once, in order, on every rank.
+        torch.testing.assert_close(rank["gathered"], expected_pred, **EXACT)
+        # Predictions are per data shard, as under DDP: pipeline k (ranks 2k, 2k + 1) predicts samples k, k + d, ...
+        torch.testing.assert_close(rank["predicted"], expected_pred[index // (len(ranks) // shards) :: shards], **EXACT)
+
+
+def test_checkpoints_resume_and_evaluation_on_one_pipeline_of_two_ranks(tmp_path: Path) -> None:
+    runs = [{"strategy": {"schedule": "1F1B", "chunks": 2}, "checkpoint": str(tmp_path)}]
+    results = run_distributed(_fit_rank, 2, runs, timeout_s=600)
+    _check_checkpoint_and_evaluation([rank[0] for rank in results], tmp_path / "pipeline.ckpt", shards=1)
+
+
+def test_two_pipelines_of_two_ranks_equal_one_process_on_the_global_batch(tmp_path: Path) -> None:
+    runs = [{"strategy": {"schedule": "1F1B", "chunks": 2, "pipeline_parallel_size": 2}, "checkpoint": str(tmp_path)}]
     results = run_distributed(_fit_rank, 4, runs, timeout_s=600)
     expected_state, expected_losses = _reference(3, shards=2)
-    for rank in results:
-        for name, value in rank[0]["state"].items():
-            torch.testing.assert_close(value, expected_state[name], **EXACT, msg=name)
-        assert rank[0]["losses"] == pytest.approx(expected_losses, rel=1e-12)
+    _assert_trained_as([rank[0] for rank in results], expected_state, expected_losses, runs[0])
+    _check_checkpoint_and_evaluation([rank[0] for rank in results], tmp_path / "pipeline.ckpt", shards=2)
 
 
 # ---- pure parts: placements and arguments --------------------------------------------------------------------------
