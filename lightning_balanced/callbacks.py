@@ -67,6 +67,8 @@ class LRScaleFactorCheck(Callback):
 
         if trainer.state.fn != TrainerFn.FITTING or isinstance(trainer.strategy, LRScaledDDPStrategy):
             return
+        if any(getattr(c, "manages_lr_scale_factor", False) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            return  # ScaleInvariance stores the factor too, and rescales from it
         factors = stored_lr_scale_factors(checkpoint)
         if not factors:
             return

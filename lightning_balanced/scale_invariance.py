@@ -1,0 +1,395 @@
+"""Scale invariance: change the number of processes and keep the training curve.
+
+When the effective batch size grows by ``kappa = effective / reference`` over the batch the hyperparameters were tuned
+at, the scaling rules say how to change them so that training follows the same curve per sample seen:
+
+* ``"linear"``: learning rate ``x kappa`` (Goyal et al. 2017, "Accurate, Large Minibatch SGD"; SGD);
+* ``"sqrt"``: learning rate ``x sqrt(kappa)`` (Krizhevsky 2014; Hoffer et al. 2017);
+* ``"adam_sde"``: the square-root rule of the SDE view of adaptive methods (Malladi, Lyu, Panigrahi & Arora,
+  NeurIPS 2022): learning rate ``x sqrt(kappa)``, ``1 - beta1`` and ``1 - beta2`` ``x kappa`` (RMSprop's ``alpha`` as
+  beta2), ``eps / sqrt(kappa)``;
+* ``"ema"``, composable with any of those: every exponential moving average's momentum ``rho -> rho ** kappa``
+  (Busbridge et al., NeurIPS 2023, "How to Scale Your EMA"): BatchNorm's running statistics (torch's ``momentum`` is
+  ``1 - rho``) and the decay of Lightning's ``EMAWeightAveraging``.
+
+Schedules and warmup are counted in samples (:class:`ScaleInvariance`'s ``warmup_samples`` and
+``schedules_in_samples``), so the same config means the same thing on 1 or 8 processes.
+
+The rules are pure functions of ``kappa`` (:func:`scaled_hyperparameters`, :func:`scaled_ema_momentum`); the callback
+applies them once per fit, from the reference values, so nothing ever compounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_balanced.arguments import check_int
+from lightning_balanced.lr_scaling import rescale_learning_rates
+
+__all__ = [
+    "LR_RULES",
+    "REFERENCE_KEY",
+    "ScaleInvariance",
+    "ScalingPolicy",
+    "data_parallel_size",
+    "scaled_ema_momentum",
+    "scaled_hyperparameters",
+]
+
+#: The learning-rate rules: how the learning rate scales with ``kappa``, and their sources.
+LR_RULES: dict[str, str] = {
+    "linear": "Goyal et al. 2017 (linear)",
+    "sqrt": "Krizhevsky 2014, Hoffer et al. 2017 (square root)",
+    "adam_sde": "Malladi et al. 2022 (SDE rule for adaptive methods)",
+}
+_EMA_SOURCE = "Busbridge et al. 2023 (EMA rule)"
+#: The key each param group keeps its reference (unscaled) hyperparameters under; saved with the optimizer state.
+REFERENCE_KEY = "scale_invariance_reference"
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """A learning-rate rule and, optionally, the EMA rule: what :class:`ScaleInvariance` applies.
+
+    Args:
+        lr_rule (str): ``"linear"``, ``"sqrt"`` or ``"adam_sde"`` (see the module docstring).
+        ema (bool): also scale every EMA's momentum (``rho -> rho ** kappa``).
+
+    Raises:
+        ValueError: an unknown rule.
+        TypeError: ``ema`` not a bool.
+    """
+
+    lr_rule: str
+    ema: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr_rule not in LR_RULES:
+            raise ValueError(
+                f"`policy` must name one of the learning-rate rules {list(LR_RULES)}, got {self.lr_rule!r}"
+            )
+        if not isinstance(self.ema, bool):
+            raise TypeError(f"`ema` must be a bool, got {self.ema!r}")
+
+    @classmethod
+    def parse(cls, policy: str | Sequence[str] | ScalingPolicy) -> ScalingPolicy:
+        """A policy from ``"adam_sde"``, ``["adam_sde", "ema"]`` or a :class:`ScalingPolicy`.
+
+        Raises:
+            ValueError: no learning-rate rule, or more than one; an unknown name.
+            TypeError: not a string, a sequence of strings or a policy.
+        """
+        if isinstance(policy, ScalingPolicy):
+            return policy
+        names = [policy] if isinstance(policy, str) else list(policy)
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError(f"`policy` must be a rule name or a list of them, got {policy!r}")
+        unknown = [name for name in names if name not in LR_RULES and name != "ema"]
+        lr_rules = [name for name in names if name in LR_RULES]
+        if unknown or len(lr_rules) != 1:
+            raise ValueError(
+                f"`policy` must name exactly one learning-rate rule of {list(LR_RULES)}, optionally with 'ema', got"
+                f" {policy!r}"
+            )
+        return cls(lr_rules[0], ema="ema" in names)
+
+    def lr_factor(self, kappa: float) -> float:
+        """The learning-rate factor at ``kappa``."""
+        return kappa if self.lr_rule == "linear" else math.sqrt(kappa)
+
+
+def scaled_hyperparameters(reference: dict[str, Any], kappa: float, policy: ScalingPolicy) -> dict[str, Any]:
+    """The optimizer hyperparameters (other than the learning rate) for a batch ``kappa`` times the reference one.
+
+    Args:
+        reference (dict): the reference values of a param group: ``betas`` (Adam family), ``alpha`` (RMSprop), ``eps``.
+        kappa (float): effective batch size / reference batch size, > 0.
+        policy (ScalingPolicy): only ``"adam_sde"`` changes them: ``1 - beta`` and ``1 - alpha`` times ``kappa``,
+            ``eps / sqrt(kappa)``.
+
+    Returns:
+        dict: the new values of the keys of ``reference``.
+
+    Raises:
+        ValueError: ``1 - beta`` times ``kappa`` reaches 1 (the batch grew too much for this beta: a momentum of 0 or
+            below), naming the value.
+    """
+    if policy.lr_rule != "adam_sde":
+        return dict(reference)
+    scaled: dict[str, Any] = {}
+    for key, value in reference.items():
+        if key == "eps":
+            scaled[key] = value / math.sqrt(kappa)
+        elif key == "betas":
+            scaled[key] = tuple(_scaled_decay(f"betas[{i}]", beta, kappa) for i, beta in enumerate(value))
+        elif key == "alpha":
+            scaled[key] = _scaled_decay("alpha", value, kappa)
+        else:
+            scaled[key] = value
+    return scaled
+
+
+def _scaled_decay(name: str, value: float, kappa: float) -> float:
+    scaled = 1.0 - kappa * (1.0 - float(value))
+    if not scaled > 0.0:
+        raise ValueError(
+            f"the adam_sde rule gives `{name}` = 1 - {kappa:.6g} x (1 - {value}) = {scaled:.6g} for a batch {kappa:.6g}"
+            " times the reference one; it must stay above 0: use a larger reference_batch_size, or a decay closer to 1"
+        )
+    return scaled
+
+
+def scaled_ema_momentum(momentum: float, kappa: float) -> float:
+    """An EMA momentum as torch counts it (``1 - rho``, as BatchNorm) at ``kappa``: ``1 - (1 - momentum)^kappa``."""
+    return 1.0 - float((1.0 - momentum) ** kappa)
+
+
+def data_parallel_size(strategy: Any) -> int:
+    """The processes that each see their own data.
+
+    The strategy's ``data_parallel_size`` where it has one (``strategy="pipeline"``: the pipelines), else its
+    ``world_size`` (1 for single-process ``balanced_dp`` and ``gpipe``, whose batch is already the whole one).
+    """
+    return int(getattr(strategy, "data_parallel_size", strategy.world_size))
+
+
+class ScaleInvariance(Callback):
+    """Rescale the hyperparameters with the effective batch size, so the training curve stays the same on any scale.
+
+    At the start of each fit (after a checkpoint was restored), with ``kappa = effective / reference_batch_size`` and
+    the effective batch size = data-parallel world size x per-device batch x ``accumulate_grad_batches``, it applies the
+    policy once (see the module docstring): every param group's learning rate (and ``initial_lr``, OneCycleLR's range,
+    every scheduler's base and floor learning rates, through
+    :func:`~lightning_balanced.lr_scaling.rescale_learning_rates`), Adam's ``betas`` and ``eps``, RMSprop's ``alpha``
+    and ``eps``; with ``"ema"``, every BatchNorm's ``momentum`` and the decay of Lightning's ``EMAWeightAveraging``.
+    One line is logged per rescaled value: before, after, and the rule's source.
+
+    Resume-safe: the applied LR factor and each group's reference hyperparameters are stored in the param groups, hence
+    in every checkpoint; a resume on another world size rescales from the references, never compounding. BatchNorm
+    momentum and the EMA decay return to their reference values at the end of fit.
+
+    Works under any strategy: ``ddp``, ``balanced_dp`` and ``gpipe`` (the batch is the whole one), ``pipeline`` (its
+    data-parallel size). Not with ``ddp_lr_*`` scaling too: such a run is refused with a ``ValueError``, never scaled
+    twice.
+
+    Args:
+        policy: ``"linear"``, ``"sqrt"``, ``"adam_sde"``, or a list adding ``"ema"`` (``["adam_sde", "ema"]``), or a
+            :class:`ScalingPolicy`.
+        reference_batch_size (int): the effective batch size the hyperparameters were tuned at.
+        warmup_samples (int): gradual warmup counted in samples: the learning rate rises linearly from the reference
+            one to the scaled one over the first ``warmup_samples`` samples (Goyal et al. 2017), on any scale.
+        schedules_in_samples (bool): step-interval LR schedulers advance by ``kappa`` steps per optimizer step (their
+            steps count reference batches), so a schedule means the same number of samples on any scale.
+
+    Raises:
+        TypeError, ValueError: a bad argument, naming it; at fit start, a train dataloader whose batch size cannot be
+            read, or an LR-scaled DDP strategy that scales too.
+    """
+
+    #: Read by :class:`~lightning_balanced.callbacks.LRScaleFactorCheck`: a resumed factor is this callback's business.
+    manages_lr_scale_factor = True
+
+    def __init__(
+        self,
+        policy: str | Sequence[str] | ScalingPolicy,
+        reference_batch_size: int,
+        warmup_samples: int = 0,
+        schedules_in_samples: bool = False,
+    ) -> None:
+        self.policy = ScalingPolicy.parse(policy)
+        self.reference_batch_size = check_int("reference_batch_size", reference_batch_size, minimum=1)
+        self.warmup_samples = check_int("warmup_samples", warmup_samples, minimum=0)
+        if not isinstance(schedules_in_samples, bool):
+            raise TypeError(f"`schedules_in_samples` must be a bool, got {schedules_in_samples!r}")
+        self.schedules_in_samples = schedules_in_samples
+        self.kappa = 1.0
+        self.effective_batch_size = reference_batch_size
+        self._momentum: dict[_BatchNorm, float] = {}
+        self._ema: list[tuple[Any, float]] = []
+        self._hooks: list[Any] = []
+
+    # ---- the batch -------------------------------------------------------------------------------------------------
+    def _effective_batch_size(self, trainer: pl.Trainer) -> int:
+        loader = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None) or getattr(
+            getattr(loader, "batch_sampler", None), "batch_size", None
+        )
+        if not isinstance(batch_size, int):
+            raise ValueError(
+                "ScaleInvariance needs the per-device batch size, but the train dataloader has none that can be read"
+                " (a DataLoader with `batch_size` or a `batch_sampler.batch_size` is needed)"
+            )
+        return data_parallel_size(trainer.strategy) * batch_size * trainer.accumulate_grad_batches
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_balanced.strategies.ddp_lr import LRScaledDDP
+
+        strategy = trainer.strategy
+        if isinstance(strategy, LRScaledDDP) and strategy.lr_scaling != "none":
+            raise ValueError(
+                f"ScaleInvariance and {type(strategy).__name__}(lr_scaling={strategy.lr_scaling!r}) both scale the"
+                " learning rate: use `strategy='ddp'` with the callback, or the strategy alone (a `ddp_lr_*` name is"
+                " the shorthand of ScaleInvariance('linear' or 'sqrt') for the learning rate only)"
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.effective_batch_size = self._effective_batch_size(trainer)
+        self.kappa = kappa = self.effective_batch_size / self.reference_batch_size
+        why = f"kappa {kappa:.6g} = effective batch {self.effective_batch_size} / reference {self.reference_batch_size}"
+        lines = [f"scale invariance ({self.policy.lr_rule}{' + ema' if self.policy.ema else ''}): {why}"]
+        source = LR_RULES[self.policy.lr_rule]
+        for index, optimizer in enumerate(trainer.optimizers):
+            schedulers = [c.scheduler for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
+            before = [_float(group["lr"]) for group in optimizer.param_groups]
+            rescale_learning_rates(optimizer, schedulers, self.policy.lr_factor(kappa))
+            for g, (group, old) in enumerate(zip(optimizer.param_groups, before, strict=True)):
+                lines.append(f"  optimizer {index} group {g} lr: {old:.6g} -> {_float(group['lr']):.6g} ({source})")
+                lines += self._scale_group(group, f"optimizer {index} group {g}", kappa, source)
+            if self.warmup_samples:
+                self._hooks += _warmup_hooks(optimizer, self, trainer)
+        if self.schedules_in_samples:
+            for config in trainer.lr_scheduler_configs:
+                if config.interval == "step" and not isinstance(config.scheduler, SampleStepping):
+                    config.scheduler = SampleStepping(config.scheduler, kappa)  # type: ignore[assignment]
+        if self.policy.ema:
+            lines += self._scale_emas(trainer, pl_module, kappa)
+        rank_zero_info("\n".join(lines))
+
+    def _scale_group(self, group: dict[str, Any], where: str, kappa: float, source: str) -> list[str]:
+        keys = [key for key in ("betas", "alpha", "eps") if key in group]
+        if not keys:
+            return []
+        reference = group.setdefault(REFERENCE_KEY, {key: group[key] for key in keys})
+        scaled = scaled_hyperparameters(reference, kappa, self.policy)
+        lines = []
+        for key, value in scaled.items():
+            if value != group[key]:
+                lines.append(f"  {where} {key}: {group[key]} -> {value} ({source})")
+            group[key] = value
+        return lines
+
+    def _scale_emas(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kappa: float) -> list[str]:
+        lines = []
+        for name, module in pl_module.named_modules():
+            if isinstance(module, _BatchNorm) and module.momentum is not None:
+                reference = self._momentum.setdefault(module, float(module.momentum))
+                module.momentum = scaled_ema_momentum(reference, kappa)
+                lines.append(
+                    f"  {name or 'module'} BatchNorm momentum: {reference} -> {module.momentum:.6g} ({_EMA_SOURCE})"
+                )
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            decay = _ema_decay(callback)
+            if decay is not None:
+                new = 1.0 - scaled_ema_momentum(1.0 - decay, kappa)
+                _set_ema_decay(callback, new)
+                self._ema.append((callback, decay))
+                lines.append(f"  {type(callback).__name__} decay: {decay} -> {new:.6g} ({_EMA_SOURCE})")
+        return lines
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for module, momentum in self._momentum.items():
+            module.momentum = momentum
+        for callback, decay in self._ema:
+            _set_ema_decay(callback, decay)
+        self._ema = []
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+class SampleStepping:
+    """A step-interval LR scheduler that advances ``kappa`` of its steps per optimizer step: a schedule in samples.
+
+    Its steps count batches of the reference size; the fraction of a step is carried over.
+
+    Lightning calls :meth:`step` once per optimizer step; the wrapped scheduler steps ``floor(carry + kappa)`` times.
+    Its ``state_dict`` is the wrapped one's plus the carry, so checkpoints load into the plain scheduler too.
+    """
+
+    def __init__(self, scheduler: Any, kappa: float) -> None:
+        self.scheduler = scheduler
+        self.kappa = kappa
+        self.carry = float(getattr(scheduler, "_samples_carry", 0.0))
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Advance the wrapped scheduler by the reference batches in one optimizer step."""
+        self.carry += self.kappa
+        while self.carry >= 1.0 - 1e-9:
+            self.scheduler.step(*args, **kwargs)
+            self.carry -= 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped scheduler's state, with the carried fraction of a step."""
+        return {**self.scheduler.state_dict(), "_samples_carry": self.carry}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the wrapped scheduler and the carry."""
+        state = dict(state_dict)
+        self.carry = float(state.pop("_samples_carry", 0.0))
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["scheduler"], name)
+
+
+def _warmup_hooks(optimizer: Optimizer, callback: ScaleInvariance, trainer: pl.Trainer) -> list[Any]:
+    """Optimizer step hooks that scale the learning rate for the step only (so schedulers never see it)."""
+    saved: list[Any] = []
+
+    def before(opt: Optimizer, args: Any, kwargs: Any) -> None:
+        samples = trainer.global_step * callback.effective_batch_size
+        factor = callback.policy.lr_factor(callback.kappa)
+        if samples >= callback.warmup_samples or factor <= 1.0:
+            return
+        start = 1.0 / factor  # from the reference learning rate to the scaled one
+        multiplier = start + (1.0 - start) * samples / callback.warmup_samples
+        saved[:] = [group["lr"] for group in opt.param_groups]
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * multiplier
+
+    def after(opt: Optimizer, args: Any, kwargs: Any) -> None:
+        if saved:
+            for group, lr in zip(opt.param_groups, saved, strict=True):
+                group["lr"] = lr
+            saved.clear()
+
+    return [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+
+
+def _ema_decay(callback: Any) -> float | None:
+    """The decay of Lightning's ``EMAWeightAveraging`` (torch's ``get_ema_avg_fn`` closure), else ``None``."""
+    kwargs = getattr(callback, "_kwargs", None)
+    avg_fn = kwargs.get("avg_fn") if isinstance(kwargs, dict) else None
+    update = getattr(avg_fn, "__wrapped__", avg_fn)  # under torch.no_grad()'s wrapper
+    code = getattr(update, "__code__", None)
+    closure = getattr(update, "__closure__", None)
+    if code is None or code.co_freevars != ("decay",) or closure is None:
+        return None
+    return float(closure[0].cell_contents)
+
+
+def _set_ema_decay(callback: Any, decay: float) -> None:
+    from torch.optim.swa_utils import get_ema_avg_fn
+
+    avg_fn = get_ema_avg_fn(decay)
+    callback._kwargs["avg_fn"] = avg_fn
+    if getattr(callback, "_average_model", None) is not None:
+        callback._average_model.avg_fn = avg_fn
+
+
+def _float(value: Any) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)

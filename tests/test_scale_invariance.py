@@ -1,0 +1,304 @@
+"""ScaleInvariance: the rules as pure functions, and the callback on real Trainers (one process; CPU)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_balanced.scale_invariance import (
+    REFERENCE_KEY,
+    SampleStepping,
+    ScaleInvariance,
+    ScalingPolicy,
+    scaled_ema_momentum,
+    scaled_hyperparameters,
+)
+from tests.helpers import raises_exactly
+
+try:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+except ImportError:  # Lightning < 2.6
+    EMAWeightAveraging = None
+
+
+# ---- the rules -----------------------------------------------------------------------------------------------------
+def test_adam_sde_rule_scales_one_minus_beta_by_kappa_and_eps_by_one_over_sqrt_kappa() -> None:
+    policy = ScalingPolicy.parse("adam_sde")
+    scaled = scaled_hyperparameters({"betas": (0.9, 0.999), "eps": 1e-8}, 4.0, policy)
+    assert scaled["betas"] == pytest.approx((1 - 4 * 0.1, 1 - 4 * 0.001))
+    assert scaled["eps"] == pytest.approx(1e-8 / 2)
+    assert scaled_hyperparameters({"alpha": 0.99, "eps": 1e-8}, 0.5, policy)["alpha"] == pytest.approx(1 - 0.5 * 0.01)
+    assert policy.lr_factor(4.0) == 2.0
+    # the other learning-rate rules leave them alone
+    assert scaled_hyperparameters({"betas": (0.9, 0.999)}, 4.0, ScalingPolicy.parse("sqrt")) == {"betas": (0.9, 0.999)}
+    assert ScalingPolicy.parse("linear").lr_factor(4.0) == 4.0
+
+
+def test_ema_rule_raises_the_decay_to_the_power_kappa() -> None:
+    assert scaled_ema_momentum(0.1, 2.0) == pytest.approx(1 - 0.9**2)
+    assert scaled_ema_momentum(0.1, 1.0) == pytest.approx(0.1)
+    assert scaled_ema_momentum(0.1, 0.5) == pytest.approx(1 - 0.9**0.5)
+
+
+def test_a_batch_too_large_for_beta_is_refused_naming_it() -> None:
+    with raises_exactly(
+        ValueError,
+        "the adam_sde rule gives `betas[0]` = 1 - 20 x (1 - 0.9) = -1 for a batch 20 times the reference one; it"
+        " must stay above 0: use a larger reference_batch_size, or a decay closer to 1",
+    ):
+        scaled_hyperparameters({"betas": (0.9, 0.999)}, 20.0, ScalingPolicy.parse("adam_sde"))
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        (
+            "ema",
+            "`policy` must name exactly one learning-rate rule of ['linear', 'sqrt', 'adam_sde'], optionally with"
+            " 'ema', got 'ema'",
+        ),
+        (
+            ["linear", "sqrt"],
+            "`policy` must name exactly one learning-rate rule of ['linear', 'sqrt', 'adam_sde'],"
+            " optionally with 'ema', got ['linear', 'sqrt']",
+        ),
+        (
+            "lars",
+            "`policy` must name exactly one learning-rate rule of ['linear', 'sqrt', 'adam_sde'], optionally with"
+            " 'ema', got 'lars'",
+        ),
+    ],
+)
+def test_bad_policies_are_refused_naming_the_rules(policy: Any, message: str) -> None:
+    with raises_exactly(ValueError, message):
+        ScaleInvariance(policy, reference_batch_size=8)
+
+
+def test_bad_arguments_name_what_was_expected() -> None:
+    with raises_exactly(ValueError, "`reference_batch_size` must be >= 1, got 0"):
+        ScaleInvariance("linear", reference_batch_size=0)
+    with raises_exactly(TypeError, "`schedules_in_samples` must be a bool, got 1"):
+        ScaleInvariance("linear", reference_batch_size=8, schedules_in_samples=1)  # type: ignore[arg-type]
+
+
+# ---- the callback --------------------------------------------------------------------------------------------------
+class Net(pl.LightningModule):
+    def __init__(self, optimizer: str = "adam", scheduler: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=0.1), nn.Linear(8, 1)).double()
+        self.optimizer_name, self.scheduler = optimizer, scheduler
+        self.seen: list[dict[str, Any]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        opt = self.optimizers().optimizer
+        group = opt.param_groups[0]
+        self.seen.append(
+            {
+                "lr": float(group["lr"]),
+                "betas": group.get("betas"),
+                "alpha": group.get("alpha"),
+                "eps": group.get("eps"),
+                "bn_momentum": self.net[1].momentum,
+            }
+        )
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        params = self.parameters()
+        optimizer: torch.optim.Optimizer = {
+            "adam": lambda: torch.optim.Adam(params, lr=0.01, betas=(0.9, 0.999), eps=1e-8),
+            "rmsprop": lambda: torch.optim.RMSprop(params, lr=0.01, alpha=0.99, eps=1e-8),
+            "sgd": lambda: torch.optim.SGD(params, lr=0.1),
+        }[self.optimizer_name]()
+        if not self.scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _data(n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(
+        torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randn(n, 1, generator=g, dtype=torch.float64)
+    )
+
+
+def _fit(model: Net, callbacks: list[Callback], batch_size: int, **kwargs: Any) -> pl.Trainer:
+    settings: dict[str, Any] = {"max_steps": 2, "logger": False, "enable_checkpointing": False}
+    settings.update(kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **settings,
+    )
+    trainer.fit(model, DataLoader(_data(), batch_size=batch_size))
+    return trainer
+
+
+def test_adam_sde_and_ema_at_four_times_the_batch(caplog: pytest.LogCaptureFixture) -> None:
+    model = Net("adam")
+    with caplog.at_level("INFO"):
+        _fit(
+            model,
+            [ScaleInvariance(["adam_sde", "ema"], reference_batch_size=8)],
+            batch_size=16,
+            accumulate_grad_batches=2,
+        )
+    seen = model.seen[0]  # kappa = 16 x 2 accumulated / 8 = 4
+    assert seen["lr"] == pytest.approx(0.01 * 2)
+    assert seen["betas"] == pytest.approx((0.6, 0.996))
+    assert seen["eps"] == pytest.approx(0.5e-8)
+    assert seen["bn_momentum"] == pytest.approx(1 - 0.9**4)
+    assert model.net[1].momentum == 0.1  # the reference again after fit
+    log = caplog.text
+    assert "scale invariance (adam_sde + ema): kappa 4 = effective batch 32 / reference 8" in log
+    assert "optimizer 0 group 0 lr: 0.01 -> 0.02 (Malladi et al. 2022 (SDE rule for adaptive methods))" in log
+    assert "net.1 BatchNorm momentum: 0.1 -> 0.3439 (Busbridge et al. 2023 (EMA rule))" in log
+
+
+def test_rmsprop_alpha_and_eps_follow_the_sde_rule() -> None:
+    model = Net("rmsprop")
+    _fit(model, [ScaleInvariance("adam_sde", reference_batch_size=32)], batch_size=16)
+    seen = model.seen[0]  # kappa = 1/2
+    assert seen["lr"] == pytest.approx(0.01 / math.sqrt(2))
+    assert seen["alpha"] == pytest.approx(1 - 0.5 * 0.01)
+    assert seen["eps"] == pytest.approx(1e-8 * math.sqrt(2))
+    assert seen["bn_momentum"] == 0.1  # no ema rule
+
+
+def test_a_resume_on_another_scale_rescales_from_the_reference_without_compounding(tmp_path: Path) -> None:
+    model = Net("adam")
+    # One whole epoch (64 samples in batches of 32): an end-of-epoch checkpoint.
+    trainer = _fit(
+        model, [ScaleInvariance("adam_sde", reference_batch_size=8)], batch_size=32, max_steps=-1, max_epochs=1
+    )
+    path = tmp_path / "scaled.ckpt"
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)["optimizer_states"][0]["param_groups"][0]
+    assert saved[REFERENCE_KEY] == {"betas": (0.9, 0.999), "eps": 1e-8}  # the reference travels with the checkpoint
+    resumed = Net("adam")
+    pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ScaleInvariance("adam_sde", reference_batch_size=8)],
+    ).fit(resumed, DataLoader(_data(), batch_size=16), ckpt_path=path)
+    seen = resumed.seen[0]  # kappa 2 now, from the reference: not 4 x 2
+    assert seen["lr"] == pytest.approx(0.01 * math.sqrt(2))
+    assert seen["betas"] == pytest.approx((0.8, 0.998))
+    assert seen["eps"] == pytest.approx(1e-8 / math.sqrt(2))
+
+
+def test_schedules_count_reference_batches_and_warmup_counts_samples() -> None:
+    model = Net("sgd", scheduler=True)
+    callback = ScaleInvariance("linear", reference_batch_size=8, warmup_samples=64, schedules_in_samples=True)
+    trainer = _fit(model, [callback], batch_size=16, max_steps=4)
+    lrs = [seen["lr"] for seen in model.seen]
+    # kappa 2: lr 0.2; the warmup rises from 0.1 at sample 0 over 64 samples (4 steps of 32... of 16: steps 0-3);
+    # StepLR(step_size=4) advances 2 of its steps per optimizer step, so it halves after 2 optimizer steps.
+    warm = [0.1 + 0.1 * 16 * step / 64 for step in range(4)]
+    scheduled = [0.2, 0.2, 0.1, 0.1]
+    assert lrs == pytest.approx([w / 0.2 * s for w, s in zip(warm, scheduled, strict=True)])
+    assert isinstance(trainer.lr_scheduler_configs[0].scheduler, SampleStepping)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 8  # 4 optimizer steps x kappa 2
+
+
+@pytest.mark.skipif(EMAWeightAveraging is None, reason="needs Lightning's EMAWeightAveraging (Lightning >= 2.6)")
+def test_the_decay_of_lightnings_ema_weight_averaging_follows_the_ema_rule() -> None:
+    ema = EMAWeightAveraging(decay=0.9)
+    decays: list[float] = []
+
+    class Probe(Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            decays.append(ema._kwargs["avg_fn"].__wrapped__.__closure__[0].cell_contents)
+
+    _fit(Net("sgd"), [ScaleInvariance(["linear", "ema"], reference_batch_size=8), ema, Probe()], batch_size=24)
+    assert decays[0] == pytest.approx(0.9**3)
+    assert ema._kwargs["avg_fn"].__wrapped__.__closure__[0].cell_contents == pytest.approx(0.9)  # back after fit
+
+
+def test_with_an_lr_scaled_ddp_strategy_the_run_is_refused_never_scaled_twice() -> None:
+    from types import SimpleNamespace
+
+    from lightning_balanced import LRScaledDDPStrategy
+
+    trainer = SimpleNamespace(strategy=LRScaledDDPStrategy(lr_scaling="linear"))  # what on_fit_start reads
+    with raises_exactly(
+        ValueError,
+        "ScaleInvariance and LRScaledDDPStrategy(lr_scaling='linear') both scale the learning rate: use"
+        " `strategy='ddp'` with the callback, or the strategy alone (a `ddp_lr_*` name is the shorthand of"
+        " ScaleInvariance('linear' or 'sqrt') for the learning rate only)",
+    ):
+        ScaleInvariance("linear", reference_batch_size=8).on_fit_start(trainer, Net("sgd"))  # type: ignore[arg-type]
+    ScaleInvariance("linear", reference_batch_size=8).on_fit_start(
+        SimpleNamespace(strategy=LRScaledDDPStrategy(lr_scaling="none")),
+        Net("sgd"),  # type: ignore[arg-type]
+    )
+
+
+# ---- several processes: the effective batch counts the data-parallel world ----------------------------------------
+class Plain(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def _ddp_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    from tests.helpers import quiet_trainer
+
+    model = Plain()
+    callback = ScaleInvariance("adam_sde", reference_batch_size=8)
+    quiet_trainer("ddp", world_size, max_steps=3, callbacks=[callback]).fit(model, DataLoader(_data(), batch_size=8))
+    assert callback.kappa == 2.0  # 2 processes x 8
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_two_processes_train_as_one_process_on_their_joint_batch() -> None:
+    from torch.utils.data import DistributedSampler
+
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_ddp_rank, 2)
+    # One process, batch 16 (kappa 2 too): the samples of both ranks' batches, in DDP's order.
+    model = Plain()
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=0.01 * math.sqrt(2), betas=(0.8, 0.998), eps=1e-8 / math.sqrt(2)
+    )
+    data = _data()
+    x, y = data[:]
+    orders = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
+    for step in range(3):
+        rows = [order[step * 8 : (step + 1) * 8] for order in orders]
+        optimizer.zero_grad()
+        # DDP averages the two ranks' mean losses: the mean over the 16 samples.
+        (sum(F.mse_loss(model.net(x[r]), y[r]) for r in rows) / 2).backward()
+        optimizer.step()
+    for rank in results:
+        for name, value in rank.items():
+            torch.testing.assert_close(value, model.state_dict()[name], rtol=0, atol=1e-12, msg=name)
