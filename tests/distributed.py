@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedRankError", "run_distributed"]
+__all__ = ["DistributedRankError", "lightning_sampler_seed", "run_distributed"]
 
 # After the first failing rank, how long to wait for the others' reports (often the root cause is on another rank).
 _ERROR_GRACE_S = 3.0
@@ -186,3 +186,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         missing = sorted(set(range(world_size)) - set(results))
         raise TimeoutError(f"ranks {missing} did not finish within {timeout_s} s (killed)")
     return [results[rank] for rank in range(world_size)]
+
+
+def lightning_sampler_seed() -> int:
+    """The seed of the ``DistributedSampler`` Lightning gives the ranks: ``PL_GLOBAL_SEED``, which they inherit from
+    this process (an earlier test's ``seed_everything`` sets it), else 0. For a reference that replays their order."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))

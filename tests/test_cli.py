@@ -220,9 +220,12 @@ def test_a_third_party_plugins_strategy_name_resolves_in_the_cli(
 
 # What each example config must show in its output: the strategy at work and the job's final line.
 EXPECTED_OUTPUT = {
-    "digits_balanced_dp.yaml": ["balanced_dp: a batch of 64 is split over 2 devices as [16, 48]", "final: val_acc="],
+    "digits_balanced_dp.yaml": [
+        "balanced_dp: a batch of 64 samples is split over 2 devices as [16, 48]",
+        "final: val_acc=",
+    ],
     "digits_balanced_dp_split.yaml": [
-        "balanced_dp: a batch of 64 is split over 3 devices as [32, 16, 16]",
+        "balanced_dp: a batch of 64 samples is split over 3 devices as [32, 16, 16]",
         "final: val_acc=",
     ],
     "digits_ddp_lr_sqrt.yaml": ["lr scaling (sqrt): factor 1.41421 from world_size 2", "final: val_acc="],

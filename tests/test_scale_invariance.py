@@ -212,7 +212,7 @@ def test_schedules_count_reference_batches_and_warmup_counts_samples() -> None:
     callback = ScaleInvariance("linear", reference_batch_size=8, warmup_samples=64, schedules_in_samples=True)
     trainer = _fit(model, [callback], batch_size=16, max_steps=4)
     lrs = [seen["lr"] for seen in model.seen]
-    # kappa 2: lr 0.2; the warmup rises from 0.1 at sample 0 over 64 samples (4 steps of 32... of 16: steps 0-3);
+    # kappa 2: lr 0.2; the warmup rises from the reference 0.1 at sample 0 over 64 samples (steps 0-3 of 16 each);
     # StepLR(step_size=4) advances 2 of its steps per optimizer step, so it halves after 2 optimizer steps.
     warm = [0.1 + 0.1 * 16 * step / 64 for step in range(4)]
     scheduled = [0.2, 0.2, 0.1, 0.1]
@@ -282,7 +282,7 @@ def _ddp_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 def test_two_processes_train_as_one_process_on_their_joint_batch() -> None:
     from torch.utils.data import DistributedSampler
 
-    from tests.distributed import run_distributed
+    from tests.distributed import lightning_sampler_seed, run_distributed
 
     results = run_distributed(_ddp_rank, 2)
     # One process, batch 16 (kappa 2 too): the samples of both ranks' batches, in DDP's order.
@@ -292,7 +292,10 @@ def test_two_processes_train_as_one_process_on_their_joint_batch() -> None:
     )
     data = _data()
     x, y = data[:]
-    orders = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
+    orders = [
+        list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=lightning_sampler_seed()))
+        for r in range(2)
+    ]
     for step in range(3):
         rows = [order[step * 8 : (step + 1) * 8] for order in orders]
         optimizer.zero_grad()

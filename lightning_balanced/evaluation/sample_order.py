@@ -27,8 +27,16 @@ def sample_indices(indices: Any, count: int, device: torch.device) -> Tensor:
     """``add_eval_outputs``'s ``indices`` as int64 on ``device``: values checked here on the CPU, else at the gather.
 
     Raises:
+        TypeError: not a tensor or a sequence of integers (a single integer, such as a ``batch_idx`` passed where the
+            indices go).
         ValueError: not integers, not ``count`` of them, or negative.
     """
+    if not isinstance(indices, (Tensor, Sequence)) or isinstance(indices, (str, bytes)):
+        raise TypeError(
+            "`indices` must be the dataset indices of the samples, a Tensor[N] or a sequence of N ints, got"
+            f" {type(indices).__name__} {indices!r}; pass the outputs as keywords: `add_eval_outputs(indices,"
+            " pred=..., target=...)` or `add_eval_outputs(pred=..., target=...)` without indices"
+        )
     if isinstance(indices, Tensor):
         if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
             raise ValueError(f"`indices` must hold integers, got a tensor of dtype {indices.dtype}")

@@ -16,7 +16,8 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.nn import Module
 from torchmetrics import Metric
 from typing_extensions import override
@@ -56,6 +57,11 @@ _REPORT_MEMORY_AFTER_STEPS = 3
 _REPLICA_TIMEOUT_S = 120.0
 # The start of the message of torch.nn.functional._verify_batch_size: a training BatchNorm saw one value per channel.
 _BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when training"
+
+
+def _count(number: int, noun: str) -> str:
+    """``"1 sample"``, ``"3 samples"``."""
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 class _ReplicaProfile:
@@ -256,6 +262,13 @@ class BalancedDataParallel(SingleProcess):
         if self._split_observes:
             self.split.set_capacities(self._capacities())
             self.split.set_devices(list(self._devices))
+        if num_devices == 1:
+            rank_zero_warn(
+                "balanced_dp runs on 1 device: nothing runs in parallel. Give it several devices (`devices=2`, or"
+                " `parallel_devices=[torch.device('cuda', 0)] * 2` for several replicas on one GPU), or use the"
+                " default strategy on one device.",
+                category=PossibleUserWarning,
+            )
         if num_devices > 1 and self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=num_devices - 1, thread_name_prefix="balanced_dp")
         # On CUDA, a stream per replica (not per device), so replicas that share a GPU still run side by side.
@@ -452,10 +465,14 @@ class BalancedDataParallel(SingleProcess):
             return
         self._plan_reported = True
         assert self.parallel_devices is not None
-        lines = [f"balanced_dp: a batch of {batch_size} is split over {len(planned)} devices as {planned}"]
-        for index, (device, size) in enumerate(zip(self.parallel_devices, planned, strict=True)):
+        lines = [
+            f"balanced_dp: a batch of {_count(batch_size, 'sample')} is split over {_count(len(planned), 'device')}"
+            f" as {planned}"
+        ]
+        for index, (device, size) in enumerate(zip(self._devices, planned, strict=True)):
             share = 100.0 * size / batch_size if batch_size else 0.0
-            lines.append(f"  device {index} ({device}): {size} samples ({share:.1f}%)" + ("" if size else ", left out"))
+            left_out = "" if size else ", left out"
+            lines.append(f"  device {index} ({device}): {_count(size, 'sample')} ({share:.1f}%){left_out}")
         rank_zero_info("\n".join(lines))
 
     def _report_memory(self) -> None:

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -135,6 +136,16 @@ class LRScaledDDP(RegisteredStrategy, _StrategyBase):
             # what it suggests is already right for this factor.
             setattr(module, _LR_FOUND_AT_FACTOR, factor)
             return
+        if self.lr_scaling == "linear" and factor != 1.0:
+            adaptive = [type(o).__name__ for o in self.optimizers if any("betas" in g for g in o.param_groups)]
+            if adaptive:
+                rank_zero_warn(
+                    f"ddp_lr_linear scales the learning rate of {', '.join(adaptive)} linearly, by {factor:.6g}; for"
+                    " Adam-like optimizers the square-root rule holds (Malladi et al. 2022): use `ddp_lr_sqrt`, or"
+                    " `strategy='ddp'` with `ScaleInvariance('adam_sde', reference_batch_size=...)`, which also"
+                    " scales the betas and eps.",
+                    category=PossibleUserWarning,
+                )
         found_at = getattr(module, _LR_FOUND_AT_FACTOR, None)
         ratios = []
         for index, optimizer in enumerate(self.optimizers):

@@ -17,7 +17,7 @@ from lightning_balanced import BalancedDataParallelStrategy
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset
 from lightning_balanced.evaluation.store_gather import _exchanges
 from tests.distributed import run_distributed
-from tests.helpers import CUDA_DEVICE_LISTS, RunIf, gpu_ids, quiet_trainer
+from tests.helpers import CUDA_DEVICE_LISTS, RunIf, gpu_ids, quiet_trainer, raises_exactly
 
 
 class Holder(DistributedEvalMixin):
@@ -354,3 +354,13 @@ def test_negative_indices_on_a_gpu_are_refused_at_the_gather_not_with_a_host_syn
     holder.add_eval_outputs(torch.tensor([0, -1], device="cuda"), a=torch.zeros(2, device="cuda"))  # no check: no sync
     with pytest.raises(ValueError, match=r"rank 0: `indices` must be >= 0, got -1"):
         holder.gather_eval_outputs()
+
+
+def test_a_batch_index_passed_as_indices_is_refused_naming_the_call() -> None:
+    with raises_exactly(
+        TypeError,
+        "`indices` must be the dataset indices of the samples, a Tensor[N] or a sequence of N ints, got int 3; pass"
+        " the outputs as keywords: `add_eval_outputs(indices, pred=..., target=...)` or `add_eval_outputs(pred=...,"
+        " target=...)` without indices",
+    ):
+        Holder().add_eval_outputs(3, pred=torch.zeros(2))  # type: ignore[arg-type]

@@ -338,8 +338,12 @@ def test_plan_is_reported_once_at_fit_start(caplog: pytest.LogCaptureFixture) ->
         )
     reports = [r.getMessage() for r in caplog.records if "balanced_dp: a batch of" in r.getMessage()]
     assert len(reports) == 1
-    assert "as [1, 3, 2]" in reports[0]
-    assert len(reports[0].splitlines()) == 4  # the summary and one line per device
+    assert reports[0].splitlines() == [  # the summary and one line per device, each by its virtual device's name
+        "balanced_dp: a batch of 6 samples is split over 3 devices as [1, 3, 2]",
+        "  device 0 (cpu:0): 1 sample (16.7%)",
+        "  device 1 (cpu:1): 3 samples (50.0%)",
+        "  device 2 (cpu:2): 2 samples (33.3%)",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -503,3 +507,9 @@ def test_batch_hooks_see_the_batch_on_the_root_device_on_cuda(devices: list[torc
         model, DataLoader(_data(16), batch_size=8)
     )
     assert model.hook_devices == [devices[0]] * 2
+
+
+def test_one_device_warns_that_nothing_runs_in_parallel() -> None:
+    dataset = _data(8)
+    with pytest.warns(UserWarning, match=r"^balanced_dp runs on 1 device: nothing runs in parallel\. Give it several"):
+        _trainer(devices=1, max_steps=1).fit(Regressor(), DataLoader(dataset, batch_size=8))

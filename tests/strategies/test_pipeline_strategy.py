@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_balanced import DistributedEvalMixin, PipelineStrategy
 from lightning_balanced.pipeline.stage_plan import SCHEDULES, stage_indices, stage_owners
-from tests.distributed import run_distributed
+from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 
 EXACT = {"rtol": 0, "atol": 1e-10}
@@ -173,7 +173,9 @@ def _reference(steps: int, batch_size: int = 8, shards: int = 1, clip: float | N
     while len(batches) < steps:  # Lightning reshuffles each epoch (set_epoch)
         orders = []
         for shard in range(shards):
-            sampler = DistributedSampler(data, num_replicas=shards, rank=shard, shuffle=True, seed=0)
+            sampler = DistributedSampler(
+                data, num_replicas=shards, rank=shard, shuffle=True, seed=lightning_sampler_seed()
+            )
             sampler.set_epoch(epoch)
             orders.append(list(sampler))
         for start in range(0, len(orders[0]), batch_size):
