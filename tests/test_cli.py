@@ -159,7 +159,7 @@ def test_fit_help_lists_the_strategy_names_and_arguments(capsys: pytest.CaptureF
         "BalancedDataParallelStrategy(gpu0_bsz=None,chunk_sizes=None,weights=None,split=None,loss_reduction='mean',"
         "sync_batchnorm=False)" in text
     )
-    assert "GPipeStrategy(balance=None,chunks=1,checkpoint='except_last',deferred_batch_norm=True," in text
+    assert "GPipeStrategy(balance=None,chunks=None,checkpoint='except_last',deferred_batch_norm=True," in text
     assert "LRScaledDDPStrategy(lr_scaling='linear',reference_batch_size=None,warmup_steps=0," in text
 
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader

@@ -55,9 +55,10 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             measured on the first forward pass, by memory on CUDA and by forward+backward time elsewhere, falling back
             to parameter counts if the measurement fails; ``"time"``, ``"memory"`` (CUDA only) or ``"parameters"``
             (deterministic) to choose. The balance is logged once, one line per partition.
-        chunks: micro-batches per batch (GPipe's ``m``). A batch that ``chunks`` does not divide is split as evenly
-            as possible; with a BatchNorm layer training, fewer micro-batches are used rather than one of a single
-            sample, unless ``chunks`` is at least the batch size.
+        chunks: micro-batches per batch (GPipe's ``m``); ``None``: 4 per partition, which keeps GPipe's idle share
+            ``(n - 1) / (m + n - 1)`` of ``n`` partitions under 20%. A batch that ``chunks`` does not divide is split
+            as evenly as possible; with a BatchNorm layer training, fewer micro-batches are used rather than one of a
+            single sample, unless ``chunks`` is at least the batch size.
         checkpoint: which micro-batches are recomputed in backward instead of keeping their activations:
             ``"always"``, ``"except_last"`` (GPipe's default: the last one's backward comes right after its forward),
             or ``"never"``. Only in training with grad enabled.
@@ -93,7 +94,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
     def __init__(
         self,
         balance: Sequence[int] | Literal["auto", "time", "memory", "parameters"] | None = None,
-        chunks: int = 1,
+        chunks: int | None = None,
         checkpoint: Literal["always", "except_last", "never"] = "except_last",
         deferred_batch_norm: bool = True,
         module_name: str = "sequential_module",
@@ -117,7 +118,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             self.balance: list[int] | str | None = balance
         else:
             self.balance = None if balance is None else validate_balance(balance)
-        self.chunks = validate_chunks(chunks)
+        self.chunks: int | None = None if chunks is None else validate_chunks(chunks)
         self.checkpoint = validate_checkpoint(checkpoint)
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"`deferred_batch_norm` must be a bool, got {deferred_batch_norm!r}")
@@ -223,7 +224,9 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             sequential,
             balance,
             devices,
-            self.chunks,
+            self.chunks
+            if self.chunks is not None
+            else 4 * (len(balance) if isinstance(balance, list) else len(devices)),
             self.checkpoint,
             module_name=self.module_name,
             on_balanced=self._on_balanced,
@@ -277,7 +280,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         if self.balance is None:
             method = "even by layer count"
         lines = [
-            f"gpipe: balance {pipe.balance} ({method}) over {len(pipe.balance)} partitions, chunks={self.chunks},"
+            f"gpipe: balance {pipe.balance} ({method}) over {len(pipe.balance)} partitions, chunks={pipe.chunks},"
             f" checkpoint={self.checkpoint!r}"
         ]
         for j, partition in enumerate(pipe.partitions):
