@@ -8,6 +8,7 @@ balanced_dp``, ``strategy: ddp_lr_sqrt`` or the ``class_path``/``init_args`` for
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 import sys
@@ -87,6 +88,19 @@ class LightningBalancedCLI(LightningCLI):
             subclass_mode_data=subclass_mode_data,
             **kwargs,
         )
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        """Refuse an unknown strategy name in one line, with the closest registered names, before Lightning does."""
+        trainer = self._get(self.config, "trainer")
+        strategy = trainer.get("strategy") if trainer is not None else None
+        if isinstance(strategy, str) and strategy != "auto" and strategy not in StrategyRegistry:
+            close = difflib.get_close_matches(strategy, list(StrategyRegistry), n=3, cutoff=0.6)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise SystemExit(
+                f"lightning-balanced: error: unknown strategy {strategy!r}.{hint} Registered names:"
+                f" {', '.join(sorted(StrategyRegistry))}."
+            )
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

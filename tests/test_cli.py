@@ -131,6 +131,18 @@ def test_split_and_a_shorthand_in_one_config_name_both(tmp_path: Path) -> None:
     assert message in [line.strip().removeprefix("- ") for line in str(info.value).splitlines()]
 
 
+def test_a_misspelt_strategy_name_is_refused_in_one_line_with_the_closest_names(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n  strategy: balanced-dp\n")
+    with pytest.raises(SystemExit) as info:
+        LightningBalancedCLI(args=["--config", str(config), *BORING], run=False)
+    message = str(info.value)
+    assert message.startswith(
+        "lightning-balanced: error: unknown strategy 'balanced-dp'. Did you mean 'balanced_dp'? Registered names: "
+    )
+    assert "\n" not in message and ", pipeline, " in message
+
+
 def test_the_strategy_help_lists_the_split_policies(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(
         capsys,
