@@ -4,7 +4,8 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 ``Trainer(strategy="ddp_lr_linear")``, ``Trainer(strategy="gpipe")`` and ``Trainer(strategy="pipeline")`` work.
 """
 
-from lightning_balanced import _moved_modules
+# _import_origin first: it records who imports the package (lightning_balanced.callbacks.callbacks reads it).
+from lightning_balanced import _import_origin, _moved_modules  # noqa: F401
 from lightning_balanced.data_parallel import (
     AutoSplit,
     ChunkSizes,

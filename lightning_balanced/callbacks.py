@@ -5,10 +5,10 @@ learning rates are that factor times the base ones. Resumed under ``LRScaledDDPS
 world size; under any other strategy (single device, ``balanced_dp``, plain ``ddp``) none of that strategy's code runs,
 and training would go on at the scaled learning rates without a word.
 
-Lightning adds :class:`LRScaleFactorCheck` to every ``Trainer`` through its ``lightning.pytorch.callbacks_factory``
-entry-point group (declared in this package's ``pyproject.toml``), so the check runs wherever the package is installed,
-even when ``lightning_balanced`` is never imported. It looks once at the checkpoint being restored and at nothing else:
-no per-step cost, no global hook on torch's optimizers.
+Lightning adds :class:`LRScaleFactorCheck` to each ``Trainer`` through its ``lightning.pytorch.callbacks_factory``
+entry-point group (declared in this package's ``pyproject.toml``), in every process that imports ``lightning_balanced``
+before building its ``Trainer``; a process that never imports it gets nothing (:func:`callbacks`). It looks once at the
+checkpoint being restored and at nothing else: no per-step cost, no global hook on torch's optimizers.
 """
 
 from __future__ import annotations
@@ -87,5 +87,14 @@ class LRScaleFactorCheck(Callback):
 
 
 def callbacks() -> list[Callback]:
-    """The ``lightning.pytorch.callbacks_factory`` entry point: the callbacks Lightning adds to every ``Trainer``."""
+    """The ``lightning.pytorch.callbacks_factory`` entry point: the callbacks Lightning adds to each ``Trainer``.
+
+    :class:`LRScaleFactorCheck` where the package is in use (imported by the user's code before the ``Trainer`` was
+    built); nothing in a process whose only import of the package is Lightning's loading this entry point, so a
+    ``Trainer`` that does not use the package gets no callback and no log line from it.
+    """
+    from lightning_balanced._import_origin import IMPORTED_BY_LIGHTNING
+
+    if IMPORTED_BY_LIGHTNING:
+        return []
     return [LRScaleFactorCheck()]

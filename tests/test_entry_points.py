@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -247,3 +248,25 @@ def test_standalone_balanced_dp_step_equals_the_single_device_step() -> None:
     # float64: chunk-weighted mean of the two chunks' losses vs. the mean over all 10 samples, ~1e-16 apart
     for got, expected in zip(model.layer.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+_TRAINER_WITHOUT_THE_PACKAGE = """
+import logging, sys, warnings
+warnings.simplefilter("ignore")
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+import lightning.pytorch as pl
+trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+print("callbacks:", sorted(type(c).__name__ for c in trainer.callbacks))
+print("imported by Lightning:", sys.modules["lightning_balanced._import_origin"].IMPORTED_BY_LIGHTNING)
+"""
+
+
+def test_a_trainer_in_a_process_that_never_imports_the_package_gets_no_callback_and_no_log_line() -> None:
+    # Lightning still loads the installed entry point (it imports the package), but the factory gives nothing.
+    done = subprocess.run(
+        [sys.executable, "-c", _TRAINER_WITHOUT_THE_PACKAGE], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert "callbacks: ['ModelCheckpoint', 'ModelSummary']" in done.stdout
+    assert "imported by Lightning: True" in done.stdout  # the entry point was loaded, and knew it
+    assert "lightning_balanced" not in done.stdout.replace("imported by Lightning", "")
+    assert "Adding 1 callbacks from entry point" not in done.stdout + done.stderr
