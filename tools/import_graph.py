@@ -22,12 +22,17 @@ PACKAGE = "lightning_balanced"
 LAYERS: list[list[str]] = [
     ["lightning_balanced", "lightning_balanced.__main__"],
     ["lightning_balanced.cli"],
-    ["lightning_balanced.entry_points", "lightning_balanced.callbacks", "lightning_balanced._moved_modules"],
+    [
+        "lightning_balanced.entry_points",
+        "lightning_balanced.callbacks",
+        "lightning_balanced.scale_invariance",
+        "lightning_balanced._moved_modules",
+    ],
     ["lightning_balanced.strategies"],
     ["lightning_balanced.pipeline"],
     ["lightning_balanced.data_parallel"],
     ["lightning_balanced.nn", "lightning_balanced.evaluation", "lightning_balanced.lr_scaling"],
-    ["lightning_balanced.ops", "lightning_balanced.arguments"],
+    ["lightning_balanced.ops", "lightning_balanced.arguments", "lightning_balanced._import_origin"],
 ]
 
 

@@ -10,7 +10,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -21,6 +20,7 @@ from lightning_balanced.data_parallel import virtual_devices
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
 from lightning_balanced.pipeline.balance import BALANCE_CHOICES, BalanceChoice, choose_balance, even_balance
 from lightning_balanced.pipeline.pipe import validate_balance, validate_checkpoint, validate_chunks
+from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 __all__ = ["GPipeStrategy"]
@@ -147,11 +147,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         if pipe is None or module is None or module._modules.get(self.module_name) is not pipe:
             self.model.to(self.root_device)
             return
-        module._modules[self.module_name] = None  # `Module._apply` skips an empty slot; the key keeps its position
-        try:
-            self.model.to(self.root_device)
-        finally:
-            module._modules[self.module_name] = pipe
+        to_device_but(self.model, module, self.module_name, pipe, self.root_device)
         pipe.place()
         self._optimizer_states_to_parameter_devices()
 
@@ -163,7 +159,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         :meth:`model_to_device` then moves each partition's layers to its device and the rest to the root device.
         The precision's dtype and ``empty_init`` apply as with any strategy.
         """
-        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
+        with host_init_context(self.precision_plugin, empty_init):
             yield
 
     @override

@@ -13,7 +13,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -33,6 +32,7 @@ from lightning_balanced.pipeline.stage_plan import (
     stage_indices,
     stage_owners,
 )
+from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
 __all__ = ["PipelineStrategy"]
@@ -243,7 +243,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
         """Tensors made under ``trainer.init_module()`` go to host memory: each rank moves only its own stages."""
-        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
+        with host_init_context(self.precision_plugin, empty_init):
             yield
 
     @override
@@ -255,11 +255,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         if pipelined is None or module._modules.get(self.module_name) is not pipelined:
             self.model.to(self.root_device)
             return
-        module._modules[self.module_name] = None  # `Module._apply` skips an empty slot; the key keeps its position
-        try:
-            self.model.to(self.root_device)
-        finally:
-            module._modules[self.module_name] = pipelined
+        to_device_but(self.model, module, self.module_name, pipelined, self.root_device)
         for stage in self._stages.values():
             stage.to(self.root_device)
 
