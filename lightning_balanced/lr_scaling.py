@@ -1,4 +1,7 @@
-"""Learning-rate scaling with the effective batch size: the policy, and how it touches optimizers and schedulers.
+"""Scaling with the effective batch size: the rules, and how they touch optimizers and schedulers.
+
+The rules cover the learning rate, Adam's betas and eps, and EMA decays; ``ddp_lr_*`` and
+:class:`~lightning_balanced.scale_invariance.ScaleInvariance` both use them.
 
 The rules (Goyal et al. 2017, "Accurate, Large Minibatch SGD"; Krizhevsky 2014 and Hoffer et al. 2017 for the square
 root; Malladi et al. 2022 for sqrt with Adam): when the effective batch grows by ``k`` over the batch the learning
@@ -10,7 +13,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch import Tensor
@@ -19,12 +23,17 @@ from torch.optim import Optimizer
 from lightning_balanced.arguments import check_int, check_real
 
 __all__ = [
+    "EMA_RULE_SOURCE",
+    "LR_RULES",
     "LR_SCALE_FACTOR_KEY",
     "LRScalingPolicy",
+    "ScalingPolicy",
     "applied_lr_scale_factor",
     "effective_batch_size",
     "lr_scale_factor",
     "rescale_learning_rates",
+    "scaled_ema_momentum",
+    "scaled_hyperparameters",
     "unscale_learning_rates",
     "warmup_multiplier",
 ]
@@ -87,14 +96,15 @@ def lr_scale_factor(lr_scaling: str, effective_batch_size: int, reference_batch_
     ratio = check_int("effective_batch_size", effective_batch_size, minimum=1) / check_int(
         "reference_batch_size", reference_batch_size, minimum=1
     )
-    return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[policy]
+    return 1.0 if policy == "none" else ScalingPolicy(policy).lr_factor(ratio)
 
 
 def warmup_multiplier(step: int, warmup_steps: int, factor: float) -> float:
-    """Gradual warmup (Goyal et al. 2017, §2.2): the multiplier on the scaled learning rate at optimizer step ``step``.
+    """Gradual warmup (Goyal et al. 2017, §2.2): the multiplier on the scaled learning rate at ``step``.
 
     It rises linearly from ``1 / factor`` (the unscaled base learning rate) at step 0 to ``1`` (the scaled learning
     rate) at ``warmup_steps``, and stays ``1`` after; with ``warmup_steps == 0`` or ``factor <= 1`` it is always 1.
+    ``step`` and ``warmup_steps`` count optimizer steps (``ddp_lr_*``) or samples (``ScaleInvariance``) alike.
     """
     if step >= warmup_steps or factor <= 1.0:
         return 1.0
@@ -215,3 +225,111 @@ def unscale_learning_rates(optimizer: Optimizer, schedulers: Iterable[Any] = ())
     attached = [s for s in schedulers if getattr(s, "optimizer", None) is optimizer]
     rescale_learning_rates(optimizer, attached, 1.0)
     return applied
+
+
+# ---- the scaling rules of ScaleInvariance (lightning_balanced.scale_invariance), pure ------------------------------
+#: The learning-rate rules: how the learning rate scales with ``kappa``, and their sources.
+LR_RULES: dict[str, str] = {
+    "linear": "Goyal et al. 2017 (linear)",
+    "sqrt": "Krizhevsky 2014, Hoffer et al. 2017 (square root)",
+    "adam_sde": "Malladi et al. 2022 (SDE rule for adaptive methods)",
+}
+#: The source of the EMA rule, as the scaling log names it.
+EMA_RULE_SOURCE = "Busbridge et al. 2023 (EMA rule)"
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """A learning-rate rule and, optionally, the EMA rule: what :class:`ScaleInvariance` applies.
+
+    Args:
+        lr_rule (str): ``"linear"``, ``"sqrt"`` or ``"adam_sde"`` (see the module docstring).
+        ema (bool): also scale every EMA's momentum (``rho -> rho ** kappa``).
+
+    Raises:
+        ValueError: an unknown rule.
+        TypeError: ``ema`` not a bool.
+    """
+
+    lr_rule: str
+    ema: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr_rule not in LR_RULES:
+            raise ValueError(
+                f"`policy` must name one of the learning-rate rules {list(LR_RULES)}, got {self.lr_rule!r}"
+            )
+        if not isinstance(self.ema, bool):
+            raise TypeError(f"`ema` must be a bool, got {self.ema!r}")
+
+    @classmethod
+    def parse(cls, policy: str | Sequence[str] | ScalingPolicy) -> ScalingPolicy:
+        """A policy from ``"adam_sde"``, ``["adam_sde", "ema"]`` or a :class:`ScalingPolicy`.
+
+        Raises:
+            ValueError: no learning-rate rule, or more than one; an unknown name.
+            TypeError: not a string, a sequence of strings or a policy.
+        """
+        if isinstance(policy, ScalingPolicy):
+            return policy
+        names = [policy] if isinstance(policy, str) else list(policy)
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError(f"`policy` must be a rule name or a list of them, got {policy!r}")
+        unknown = [name for name in names if name not in LR_RULES and name != "ema"]
+        lr_rules = [name for name in names if name in LR_RULES]
+        if unknown or len(lr_rules) != 1:
+            raise ValueError(
+                f"`policy` must name exactly one learning-rate rule of {list(LR_RULES)}, optionally with 'ema', got"
+                f" {policy!r}"
+            )
+        return cls(lr_rules[0], ema="ema" in names)
+
+    def lr_factor(self, kappa: float) -> float:
+        """The learning-rate factor at ``kappa``."""
+        return kappa if self.lr_rule == "linear" else math.sqrt(kappa)
+
+
+def scaled_hyperparameters(reference: dict[str, Any], kappa: float, policy: ScalingPolicy) -> dict[str, Any]:
+    """The optimizer hyperparameters (other than the learning rate) for a batch ``kappa`` times the reference one.
+
+    Args:
+        reference (dict): the reference values of a param group: ``betas`` (Adam family), ``alpha`` (RMSprop), ``eps``.
+        kappa (float): effective batch size / reference batch size, > 0.
+        policy (ScalingPolicy): only ``"adam_sde"`` changes them: ``1 - beta`` and ``1 - alpha`` times ``kappa``,
+            ``eps / sqrt(kappa)``.
+
+    Returns:
+        dict: the new values of the keys of ``reference``.
+
+    Raises:
+        ValueError: ``1 - beta`` times ``kappa`` reaches 1 (the batch grew too much for this beta: a momentum of 0 or
+            below), naming the value.
+    """
+    if policy.lr_rule != "adam_sde":
+        return dict(reference)
+    scaled: dict[str, Any] = {}
+    for key, value in reference.items():
+        if key == "eps":
+            scaled[key] = value / math.sqrt(kappa)
+        elif key == "betas":
+            scaled[key] = tuple(_scaled_decay(f"betas[{i}]", beta, kappa) for i, beta in enumerate(value))
+        elif key == "alpha":
+            scaled[key] = _scaled_decay("alpha", value, kappa)
+        else:
+            scaled[key] = value
+    return scaled
+
+
+def _scaled_decay(name: str, value: float, kappa: float) -> float:
+    scaled = 1.0 - kappa * (1.0 - float(value))
+    if not scaled > 0.0:
+        raise ValueError(
+            f"the adam_sde rule gives `{name}` = 1 - {kappa:.6g} x (1 - {value}) = {scaled:.6g} for a batch {kappa:.6g}"
+            " times the reference one; it must stay above 0: use a larger reference_batch_size, or a decay closer to 1"
+        )
+    return scaled
+
+
+def scaled_ema_momentum(momentum: float, kappa: float) -> float:
+    """An EMA momentum as torch counts it (``1 - rho``, as BatchNorm) at ``kappa``: ``1 - (1 - momentum)^kappa``."""
+    return 1.0 - float((1.0 - momentum) ** kappa)

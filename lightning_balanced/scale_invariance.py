@@ -15,15 +15,14 @@ at, the scaling rules say how to change them so that training follows the same c
 Schedules and warmup are counted in samples (:class:`ScaleInvariance`'s ``warmup_samples`` and
 ``schedules_in_samples``), so the same config means the same thing on 1 or 8 processes.
 
-The rules are pure functions of ``kappa`` (:func:`scaled_hyperparameters`, :func:`scaled_ema_momentum`); the callback
-applies them once per fit, from the reference values, so nothing ever compounds.
+The rules are pure functions of ``kappa`` in :mod:`lightning_balanced.lr_scaling` (:class:`ScalingPolicy`,
+:func:`scaled_hyperparameters`, :func:`scaled_ema_momentum`), shared with ``ddp_lr_*``; the callback applies them once
+per fit, from the reference values, so nothing ever compounds.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,7 +34,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_int
-from lightning_balanced.lr_scaling import rescale_learning_rates
+from lightning_balanced.lr_scaling import (
+    EMA_RULE_SOURCE,
+    LR_RULES,
+    ScalingPolicy,
+    rescale_learning_rates,
+    scaled_ema_momentum,
+    scaled_hyperparameters,
+    warmup_multiplier,
+)
 
 __all__ = [
     "LR_RULES",
@@ -47,112 +54,8 @@ __all__ = [
     "scaled_hyperparameters",
 ]
 
-#: The learning-rate rules: how the learning rate scales with ``kappa``, and their sources.
-LR_RULES: dict[str, str] = {
-    "linear": "Goyal et al. 2017 (linear)",
-    "sqrt": "Krizhevsky 2014, Hoffer et al. 2017 (square root)",
-    "adam_sde": "Malladi et al. 2022 (SDE rule for adaptive methods)",
-}
-_EMA_SOURCE = "Busbridge et al. 2023 (EMA rule)"
 #: The key each param group keeps its reference (unscaled) hyperparameters under; saved with the optimizer state.
 REFERENCE_KEY = "scale_invariance_reference"
-
-
-@dataclass(frozen=True)
-class ScalingPolicy:
-    """A learning-rate rule and, optionally, the EMA rule: what :class:`ScaleInvariance` applies.
-
-    Args:
-        lr_rule (str): ``"linear"``, ``"sqrt"`` or ``"adam_sde"`` (see the module docstring).
-        ema (bool): also scale every EMA's momentum (``rho -> rho ** kappa``).
-
-    Raises:
-        ValueError: an unknown rule.
-        TypeError: ``ema`` not a bool.
-    """
-
-    lr_rule: str
-    ema: bool = False
-
-    def __post_init__(self) -> None:
-        if self.lr_rule not in LR_RULES:
-            raise ValueError(
-                f"`policy` must name one of the learning-rate rules {list(LR_RULES)}, got {self.lr_rule!r}"
-            )
-        if not isinstance(self.ema, bool):
-            raise TypeError(f"`ema` must be a bool, got {self.ema!r}")
-
-    @classmethod
-    def parse(cls, policy: str | Sequence[str] | ScalingPolicy) -> ScalingPolicy:
-        """A policy from ``"adam_sde"``, ``["adam_sde", "ema"]`` or a :class:`ScalingPolicy`.
-
-        Raises:
-            ValueError: no learning-rate rule, or more than one; an unknown name.
-            TypeError: not a string, a sequence of strings or a policy.
-        """
-        if isinstance(policy, ScalingPolicy):
-            return policy
-        names = [policy] if isinstance(policy, str) else list(policy)
-        if not all(isinstance(name, str) for name in names):
-            raise TypeError(f"`policy` must be a rule name or a list of them, got {policy!r}")
-        unknown = [name for name in names if name not in LR_RULES and name != "ema"]
-        lr_rules = [name for name in names if name in LR_RULES]
-        if unknown or len(lr_rules) != 1:
-            raise ValueError(
-                f"`policy` must name exactly one learning-rate rule of {list(LR_RULES)}, optionally with 'ema', got"
-                f" {policy!r}"
-            )
-        return cls(lr_rules[0], ema="ema" in names)
-
-    def lr_factor(self, kappa: float) -> float:
-        """The learning-rate factor at ``kappa``."""
-        return kappa if self.lr_rule == "linear" else math.sqrt(kappa)
-
-
-def scaled_hyperparameters(reference: dict[str, Any], kappa: float, policy: ScalingPolicy) -> dict[str, Any]:
-    """The optimizer hyperparameters (other than the learning rate) for a batch ``kappa`` times the reference one.
-
-    Args:
-        reference (dict): the reference values of a param group: ``betas`` (Adam family), ``alpha`` (RMSprop), ``eps``.
-        kappa (float): effective batch size / reference batch size, > 0.
-        policy (ScalingPolicy): only ``"adam_sde"`` changes them: ``1 - beta`` and ``1 - alpha`` times ``kappa``,
-            ``eps / sqrt(kappa)``.
-
-    Returns:
-        dict: the new values of the keys of ``reference``.
-
-    Raises:
-        ValueError: ``1 - beta`` times ``kappa`` reaches 1 (the batch grew too much for this beta: a momentum of 0 or
-            below), naming the value.
-    """
-    if policy.lr_rule != "adam_sde":
-        return dict(reference)
-    scaled: dict[str, Any] = {}
-    for key, value in reference.items():
-        if key == "eps":
-            scaled[key] = value / math.sqrt(kappa)
-        elif key == "betas":
-            scaled[key] = tuple(_scaled_decay(f"betas[{i}]", beta, kappa) for i, beta in enumerate(value))
-        elif key == "alpha":
-            scaled[key] = _scaled_decay("alpha", value, kappa)
-        else:
-            scaled[key] = value
-    return scaled
-
-
-def _scaled_decay(name: str, value: float, kappa: float) -> float:
-    scaled = 1.0 - kappa * (1.0 - float(value))
-    if not scaled > 0.0:
-        raise ValueError(
-            f"the adam_sde rule gives `{name}` = 1 - {kappa:.6g} x (1 - {value}) = {scaled:.6g} for a batch {kappa:.6g}"
-            " times the reference one; it must stay above 0: use a larger reference_batch_size, or a decay closer to 1"
-        )
-    return scaled
-
-
-def scaled_ema_momentum(momentum: float, kappa: float) -> float:
-    """An EMA momentum as torch counts it (``1 - rho``, as BatchNorm) at ``kappa``: ``1 - (1 - momentum)^kappa``."""
-    return 1.0 - float((1.0 - momentum) ** kappa)
 
 
 def data_parallel_size(strategy: Any) -> int:
@@ -288,7 +191,7 @@ class ScaleInvariance(Callback):
                 reference = self._momentum.setdefault(module, float(module.momentum))
                 module.momentum = scaled_ema_momentum(reference, kappa)
                 lines.append(
-                    f"  {name or 'module'} BatchNorm momentum: {reference} -> {module.momentum:.6g} ({_EMA_SOURCE})"
+                    f"  {name or 'module'} BatchNorm momentum: {reference} -> {module.momentum:.6g} ({EMA_RULE_SOURCE})"
                 )
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             decay = _ema_decay(callback)
@@ -296,7 +199,7 @@ class ScaleInvariance(Callback):
                 new = 1.0 - scaled_ema_momentum(1.0 - decay, kappa)
                 _set_ema_decay(callback, new)
                 self._ema.append((callback, decay))
-                lines.append(f"  {type(callback).__name__} decay: {decay} -> {new:.6g} ({_EMA_SOURCE})")
+                lines.append(f"  {type(callback).__name__} decay: {decay} -> {new:.6g} ({EMA_RULE_SOURCE})")
         return lines
 
     @override
@@ -352,11 +255,9 @@ def _warmup_hooks(optimizer: Optimizer, callback: ScaleInvariance, trainer: pl.T
 
     def before(opt: Optimizer, args: Any, kwargs: Any) -> None:
         samples = trainer.global_step * callback.effective_batch_size
-        factor = callback.policy.lr_factor(callback.kappa)
-        if samples >= callback.warmup_samples or factor <= 1.0:
+        multiplier = warmup_multiplier(samples, callback.warmup_samples, callback.policy.lr_factor(callback.kappa))
+        if multiplier == 1.0:
             return
-        start = 1.0 / factor  # from the reference learning rate to the scaled one
-        multiplier = start + (1.0 - start) * samples / callback.warmup_samples
         saved[:] = [group["lr"] for group in opt.param_groups]
         for group in opt.param_groups:
             group["lr"] = group["lr"] * multiplier
