@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "cut_sequential", "schedule_spec", "stage_indices", "stage_owners"]
 
@@ -31,6 +32,8 @@ class ScheduleSpec:
         name (str): as ``PipelineStrategy(schedule=...)`` takes it, torch's class name without ``Schedule``.
         class_name (str): the class in ``torch.distributed.pipelining``.
         added_in (str): the first torch release that has it.
+        runs_from (str): the first torch release on which ``strategy="pipeline"`` runs it (found on gloo: earlier
+            releases fail in its point-to-point exchange).
         placement (str): ``"single"`` (one stage per rank), ``"loop"`` (rank ``r`` of ``p`` holds stages ``r``,
             ``r + p``, ``r + 2p``, ...) or ``"v"`` (two stages per rank, ``r`` and ``2p - 1 - r``).
     """
@@ -38,13 +41,15 @@ class ScheduleSpec:
     name: str
     class_name: str
     added_in: str
+    runs_from: str
     placement: Placement
 
     def schedule_class(self) -> type:
         """The class, from the installed torch.
 
         Raises:
-            ValueError: the installed torch does not have it; the message names the release that added it.
+            ValueError: the installed torch does not have it, or has it but does not run it yet; the message names the
+                release that added it, or the one it runs from.
         """
         import torch.distributed.pipelining as pipelining
 
@@ -55,20 +60,41 @@ class ScheduleSpec:
                 f" {self.added_in}; the installed torch is {torch.__version__}. Upgrade torch or choose another"
                 " schedule"
             )
+        if TorchVersion(torch.__version__) < self.runs_from:
+            raise ValueError(
+                f"`schedule`={self.name!r} runs under strategy='pipeline' from torch {self.runs_from}: torch"
+                f" {torch.__version__}'s {self.class_name} fails in its point-to-point exchange (seen on gloo)."
+                " Upgrade torch or use `schedule='GPipe'`"
+            )
         return found  # type: ignore[no-any-return]
 
+    def available(self) -> bool:
+        """Whether the installed torch has it and ``strategy="pipeline"`` runs it (:meth:`schedule_class`)."""
+        try:
+            self.schedule_class()
+        except ValueError:
+            return False
+        return True
+
+
+# The first torch release on which each kind of schedule trains under strategy="pipeline", found with 2 gloo ranks on
+# 2026-11-26: GPipe on 2.4.1 and later; 1F1B-style ones time out in their batched exchange on 2.4.1, 2.5.1, 2.6.0 and
+# 2.7.1 and run from 2.8.0; the V-shaped ones fail on 2.8.0, 2.10.0 and 2.11.0 ("Pair is not connected") and run on
+# 2.13.0 and 2.14.1 (2.12 was not tried).
+RUNS_FROM = "2.8"
+RUNS_FROM_V = "2.13"
 
 #: The schedules by name.
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in (
-        ScheduleSpec("GPipe", "ScheduleGPipe", "2.4", "single"),
-        ScheduleSpec("1F1B", "Schedule1F1B", "2.4", "single"),
-        ScheduleSpec("Interleaved1F1B", "ScheduleInterleaved1F1B", "2.4", "loop"),
-        ScheduleSpec("LoopedBFS", "ScheduleLoopedBFS", "2.4", "loop"),
-        ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", "2.5", "loop"),
-        ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", "2.6", "v"),
-        ScheduleSpec("DualPipeV", "ScheduleDualPipeV", "2.8", "v"),
+        ScheduleSpec("GPipe", "ScheduleGPipe", "2.4", "2.4", "single"),
+        ScheduleSpec("1F1B", "Schedule1F1B", "2.4", RUNS_FROM, "single"),
+        ScheduleSpec("Interleaved1F1B", "ScheduleInterleaved1F1B", "2.4", RUNS_FROM, "loop"),
+        ScheduleSpec("LoopedBFS", "ScheduleLoopedBFS", "2.4", RUNS_FROM, "loop"),
+        ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", "2.5", RUNS_FROM, "loop"),
+        ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", "2.6", RUNS_FROM_V, "v"),
+        ScheduleSpec("DualPipeV", "ScheduleDualPipeV", "2.9", RUNS_FROM_V, "v"),  # not in 2.8.0; in 2.10.0
     )
 }
 

@@ -118,7 +118,8 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         schedule: the name of a ``torch.distributed.pipelining`` schedule: ``"GPipe"``, ``"1F1B"`` (one stage per
             rank), ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"`` (``stages_per_rank >= 2``,
             looped), ``"ZBVZeroBubble"``, ``"DualPipeV"`` (two stages per rank, V-shaped), each where the installed
-            torch has it.
+            torch has and runs it (1F1B-style schedules from torch 2.8, V-shaped ones from 2.13: older releases fail on
+            gloo). ``None``: ``"1F1B"``, or ``"GPipe"`` where torch does not run 1F1B.
         chunks: micro-batches per batch; the batch size must be a multiple of it.
         balance: layers per stage (``pipeline_parallel_size * stages_per_rank`` entries), or ``None`` to spread
             them evenly by count.
@@ -148,7 +149,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
 
     def __init__(
         self,
-        schedule: str = "1F1B",
+        schedule: str | None = None,
         chunks: int = 4,
         balance: Sequence[int] | None = None,
         stages_per_rank: int | None = None,
@@ -158,6 +159,8 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if schedule is None:
+            schedule = "1F1B" if schedule_spec("1F1B").available() else "GPipe"
         self.schedule: ScheduleSpec = schedule_spec(schedule)
         self.schedule.schedule_class()  # a schedule the installed torch lacks fails here, naming its release
         self.chunks = check_int("chunks", chunks, minimum=1)
@@ -316,9 +319,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         stages = cut_sequential(sequential, balance)
         self._owners = stage_owners(p, k, self.schedule.placement)
         mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
-        self._stages = {
-            s: _CheckpointedStage(stages[s]) if self.activation_checkpointing else stages[s] for s in mine
-        }
+        self._stages = {s: _CheckpointedStage(stages[s]) if self.activation_checkpointing else stages[s] for s in mine}
         self._schedules = {}
         self._pipelined = _PipelinedSequential(sequential, self)
         setattr(module, self.module_name, self._pipelined)

@@ -144,16 +144,17 @@ def strategy_stage_indices(strategy: PipelineStrategy) -> list[int]:
 
 
 def _available(name: str) -> bool:
-    import torch.distributed.pipelining as pipelining
+    return SCHEDULES[name].available()
 
-    return hasattr(pipelining, SCHEDULES[name].class_name)
 
+# A 1F1B schedule where the installed torch runs it, else GPipe (before torch 2.8: see stage_plan.RUNS_FROM).
+ONE_F_ONE_B = "1F1B" if _available("1F1B") else "GPipe"
 
 _SCHEDULE_RUNS = [
     {"strategy": {"schedule": name, "chunks": 4}}
     for name in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
     if _available(name)
-] + [{"strategy": {"schedule": "1F1B", "chunks": 2, "balance": [2, 4], "activation_checkpointing": True}}]
+] + [{"strategy": {"schedule": ONE_F_ONE_B, "chunks": 2, "balance": [2, 4], "activation_checkpointing": True}}]
 _CLIPPED = {"strategy": {"schedule": "GPipe", "chunks": 4}, "trainer": {"gradient_clip_val": 0.05}}
 _NO_LOSS = {"strategy": {"schedule": "GPipe", "chunks": 4}, "no_loss": True}
 
@@ -255,13 +256,15 @@ def _check_checkpoint_and_evaluation(ranks: list[dict[str, Any]], checkpoint: Pa
 
 
 def test_checkpoints_resume_and_evaluation_on_one_pipeline_of_two_ranks(tmp_path: Path) -> None:
-    runs = [{"strategy": {"schedule": "1F1B", "chunks": 2}, "checkpoint": str(tmp_path)}]
+    runs = [{"strategy": {"schedule": ONE_F_ONE_B, "chunks": 2}, "checkpoint": str(tmp_path)}]
     results = run_distributed(_fit_rank, 2, runs, timeout_s=600)
     _check_checkpoint_and_evaluation([rank[0] for rank in results], tmp_path / "pipeline.ckpt", shards=1)
 
 
 def test_two_pipelines_of_two_ranks_equal_one_process_on_the_global_batch(tmp_path: Path) -> None:
-    runs = [{"strategy": {"schedule": "1F1B", "chunks": 2, "pipeline_parallel_size": 2}, "checkpoint": str(tmp_path)}]
+    runs = [
+        {"strategy": {"schedule": ONE_F_ONE_B, "chunks": 2, "pipeline_parallel_size": 2}, "checkpoint": str(tmp_path)}
+    ]
     results = run_distributed(_fit_rank, 4, runs, timeout_s=600)
     expected_state, expected_losses = _reference(3, shards=2)
     _assert_trained_as([rank[0] for rank in results], expected_state, expected_losses, runs[0])
@@ -282,7 +285,7 @@ def test_bad_arguments_name_what_was_expected() -> None:
     with raises_exactly(ValueError, f"`schedule` must be one of {list(SCHEDULES)}, got 'PipeDream'"):
         PipelineStrategy(schedule="PipeDream")
     with raises_exactly(ValueError, "`stages_per_rank` must be 1 for a schedule with 'single' stage placement, got 2"):
-        PipelineStrategy(schedule="1F1B", stages_per_rank=2)
+        PipelineStrategy(schedule="GPipe", stages_per_rank=2)
     with raises_exactly(TypeError, "`activation_checkpointing` must be a bool, got 'yes'"):
         PipelineStrategy(activation_checkpointing="yes")  # type: ignore[arg-type]
 
@@ -297,3 +300,16 @@ def test_a_schedule_the_installed_torch_lacks_names_the_release_that_adds_it(mon
         f" installed torch is {torch.__version__}. Upgrade torch or choose another schedule",
     ):
         PipelineStrategy(schedule="ZBVZeroBubble")
+
+
+def test_a_schedule_older_torch_cannot_run_names_the_release_it_runs_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_balanced.pipeline.stage_plan import RUNS_FROM
+
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    with raises_exactly(
+        ValueError,
+        f"`schedule`='1F1B' runs under strategy='pipeline' from torch {RUNS_FROM}: torch 2.5.1's Schedule1F1B fails"
+        " in its point-to-point exchange (seen on gloo). Upgrade torch or use `schedule='GPipe'`",
+    ):
+        PipelineStrategy(schedule="1F1B")
+    assert not SCHEDULES["1F1B"].available() and SCHEDULES["GPipe"].available()
