@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_int", "check_real"]
+__all__ = ["check_bool", "check_int", "check_module_name", "check_real"]
 
 
 def _got(value: object) -> str:
@@ -92,3 +92,25 @@ def check_real(
     if not conditions:
         raise ValueError(f"`{name}` must not be NaN")
     raise ValueError(f"`{name}` must be {' and '.join(conditions)}, got {value!r}")
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a bool.
+
+    Raises:
+        TypeError: not a bool: ``"`name` must be a bool, got 'yes'"``.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}")
+    return value
+
+
+def check_module_name(module_name: object) -> str:
+    """``module_name``, the attribute of a LightningModule that holds the ``nn.Sequential`` a pipeline strategy cuts.
+
+    Raises:
+        TypeError: not a non-empty string.
+    """
+    if not isinstance(module_name, str) or not module_name:
+        raise TypeError(f"`module_name` must be the name of an attribute (a non-empty str), got {module_name!r}")
+    return module_name

@@ -33,7 +33,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_balanced.arguments import check_int
+from lightning_balanced.arguments import check_bool, check_int
 from lightning_balanced.lr_scaling import (
     EMA_RULE_SOURCE,
     LR_RULES,
@@ -113,9 +113,7 @@ class ScaleInvariance(Callback):
         self.policy = ScalingPolicy.parse(policy)
         self.reference_batch_size = check_int("reference_batch_size", reference_batch_size, minimum=1)
         self.warmup_samples = check_int("warmup_samples", warmup_samples, minimum=0)
-        if not isinstance(schedules_in_samples, bool):
-            raise TypeError(f"`schedules_in_samples` must be a bool, got {schedules_in_samples!r}")
-        self.schedules_in_samples = schedules_in_samples
+        self.schedules_in_samples = check_bool("schedules_in_samples", schedules_in_samples)
         self.kappa = 1.0
         self.effective_batch_size = reference_batch_size
         self._momentum: dict[_BatchNorm, float] = {}

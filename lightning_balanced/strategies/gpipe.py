@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_balanced.arguments import check_bool, check_module_name
 from lightning_balanced.data_parallel import virtual_devices
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
 from lightning_balanced.pipeline.balance import BALANCE_CHOICES, BalanceChoice, choose_balance, even_balance
@@ -120,12 +121,8 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             self.balance = None if balance is None else validate_balance(balance)
         self.chunks: int | None = None if chunks is None else validate_chunks(chunks)
         self.checkpoint = validate_checkpoint(checkpoint)
-        if not isinstance(deferred_batch_norm, bool):
-            raise TypeError(f"`deferred_batch_norm` must be a bool, got {deferred_batch_norm!r}")
-        self.deferred_batch_norm = deferred_batch_norm
-        if not isinstance(module_name, str) or not module_name:
-            raise TypeError(f"`module_name` must be the name of an attribute (a non-empty str), got {module_name!r}")
-        self.module_name = module_name
+        self.deferred_batch_norm = check_bool("deferred_batch_norm", deferred_batch_norm)
+        self.module_name = check_module_name(module_name)
         self._pipe: Pipe | None = None
         self._balance_method = "given"
         self._reported_balance: list[int] | None = None

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from typing_extensions import override
 
-from lightning_balanced.arguments import check_int
+from lightning_balanced.arguments import check_bool, check_int, check_module_name
 from lightning_balanced.pipeline.balance import even_balance
 from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_forward
 from lightning_balanced.pipeline.pipe import validate_balance
@@ -173,12 +173,8 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         self.pipeline_parallel_size = None
         if pipeline_parallel_size is not None:
             self.pipeline_parallel_size = check_int("pipeline_parallel_size", pipeline_parallel_size, minimum=1)
-        if not isinstance(activation_checkpointing, bool):
-            raise TypeError(f"`activation_checkpointing` must be a bool, got {activation_checkpointing!r}")
-        self.activation_checkpointing = activation_checkpointing
-        if not isinstance(module_name, str) or not module_name:
-            raise TypeError(f"`module_name` must be the name of an attribute (a non-empty str), got {module_name!r}")
-        self.module_name = module_name
+        self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
+        self.module_name = check_module_name(module_name)
         self._pp_group: dist.ProcessGroup | None = None
         self._dp_group: dist.ProcessGroup | None = None
         self._pipelined: _PipelinedSequential | None = None
