@@ -8,6 +8,7 @@ parameter copy or a lost metric update exceeds by orders of magnitude.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import lightning.pytorch as pl
@@ -112,7 +113,9 @@ class R2Regressor(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.layer = nn.Linear(5, 3).double()
-        self.r2 = torchmetrics.R2Score(multioutput="uniform_average")
+        # torchmetrics before 1.5 sizes its states by `num_outputs` (default 1); later releases infer it.
+        accepts = "num_outputs" in inspect.signature(torchmetrics.R2Score.__init__).parameters
+        self.r2 = torchmetrics.R2Score(multioutput="uniform_average", **({"num_outputs": 3} if accepts else {}))
 
     def _evaluate(self, batch: Any, name: str) -> None:
         x, y = batch
