@@ -36,6 +36,7 @@ class ScheduleSpec:
             releases fail in its point-to-point exchange).
         placement (str): ``"single"`` (one stage per rank), ``"loop"`` (rank ``r`` of ``p`` holds stages ``r``,
             ``r + p``, ``r + 2p``, ...) or ``"v"`` (two stages per rank, ``r`` and ``2p - 1 - r``).
+        zero_bubble (bool): it splits backward into input and weight gradients to fill the bubble (Qi et al.).
     """
 
     name: str
@@ -43,6 +44,19 @@ class ScheduleSpec:
     added_in: str
     runs_from: str
     placement: Placement
+    zero_bubble: bool = False
+
+    def theoretical_bubble(self, pipeline_size: int, chunks: int, stages_per_rank: int) -> float | None:
+        """The idle fraction of a step the schedule is designed for, with equal stages; ``None`` for zero-bubble ones.
+
+        ``(p - 1) / (v * m + p - 1)`` for ``p`` ranks, ``m`` micro-batches and ``v`` stages per rank: GPipe and 1F1B
+        (``v = 1``; Huang et al., 2019; Narayanan et al., 2021) and the looped schedules (Narayanan et al., SC 2021).
+        The zero-bubble schedules' bubble depends on the split of backward into its input and weight halves.
+        """
+        if self.zero_bubble:
+            return None
+        p, m, v = pipeline_size, chunks, stages_per_rank
+        return (p - 1) / (v * m + p - 1)
 
     def schedule_class(self) -> type:
         """The class, from the installed torch.
@@ -92,9 +106,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("1F1B", "Schedule1F1B", "2.4", RUNS_FROM, "single"),
         ScheduleSpec("Interleaved1F1B", "ScheduleInterleaved1F1B", "2.4", RUNS_FROM, "loop"),
         ScheduleSpec("LoopedBFS", "ScheduleLoopedBFS", "2.4", RUNS_FROM, "loop"),
-        ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", "2.5", RUNS_FROM, "loop"),
-        ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", "2.6", RUNS_FROM_V, "v"),
-        ScheduleSpec("DualPipeV", "ScheduleDualPipeV", "2.9", RUNS_FROM_V, "v"),  # not in 2.8.0; in 2.10.0
+        ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", "2.5", RUNS_FROM, "loop", True),
+        ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", "2.6", RUNS_FROM_V, "v", True),
+        ScheduleSpec("DualPipeV", "ScheduleDualPipeV", "2.9", RUNS_FROM_V, "v", True),  # not in 2.8.0; in 2.10.0
     )
 }
 

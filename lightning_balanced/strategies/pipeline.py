@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int, check_module_name
 from lightning_balanced.pipeline.balance import even_balance
+from lightning_balanced.pipeline.bubble import BusyTimer, bubble
 from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_forward
 from lightning_balanced.pipeline.pipe import validate_balance
 from lightning_balanced.pipeline.stage_plan import (
@@ -156,6 +157,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         pipeline_parallel_size: int | None = None,
         activation_checkpointing: bool = False,
         module_name: str = "sequential_module",
+        log_bubble: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -175,6 +177,8 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
             self.pipeline_parallel_size = check_int("pipeline_parallel_size", pipeline_parallel_size, minimum=1)
         self.activation_checkpointing = check_bool("activation_checkpointing", activation_checkpointing)
         self.module_name = check_module_name(module_name)
+        self.log_bubble = check_bool("log_bubble", log_bubble)
+        self._timer: BusyTimer | None = None
         self._pp_group: dist.ProcessGroup | None = None
         self._dp_group: dist.ProcessGroup | None = None
         self._pipelined: _PipelinedSequential | None = None
@@ -182,6 +186,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         self._owners: list[int] = []
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._step_grads: list[tuple[Tensor, Tensor]] = []
+        self._micro_batch_losses: list[Tensor] = []
 
     # ---- topology --------------------------------------------------------------------------------------------------
     @property
@@ -285,6 +290,9 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self._share_found_inf(scaler)
         self._report()
 
     def _build_stages(self, module: pl.LightningModule) -> None:
@@ -317,6 +325,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
         self._stages = {s: _CheckpointedStage(stages[s]) if self.activation_checkpointing else stages[s] for s in mine}
         self._schedules = {}
+        self._timer = BusyTimer(self.root_device) if self.log_bubble else None
         self._pipelined = _PipelinedSequential(sequential, self)
         setattr(module, self.module_name, self._pipelined)
 
@@ -379,30 +388,51 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         previous = [param.grad for param in own]
         for param in own:
             param.grad = None
-        losses: list[Tensor] = []
+        self._micro_batch_losses = []
         step_args: tuple[Any, ...] = (x,) if 0 in self._stages else ()
-        step_kwargs: dict[str, Any] = {"target": y, "losses": losses} if len(self._owners) - 1 in self._stages else {}
+        step_kwargs: dict[str, Any] = {"target": y} if len(self._owners) - 1 in self._stages else {}
+        if self._timer is not None:
+            self._timer.start_step()
         with self.precision_plugin.train_step_context():
             schedule.step(*step_args, **step_kwargs)
-        # float64 on every rank: only the last stage's rank knows the loss's own dtype before the broadcast.
-        loss = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        for micro_batch_loss in losses:
-            loss += micro_batch_loss.detach().to(loss)
+        # One all_reduce over the pipeline carries each rank's compute time and the loss (float64 on every rank: only
+        # the last stage's rank knows the loss's own dtype); the others' slots are zeros, so the sums are exact.
+        p = self.pipeline_size
+        report = torch.zeros(p + 1, dtype=torch.float64, device=self.root_device)
+        if self._timer is not None:
+            report[self.pipeline_rank] = self._timer.busy_seconds()
+        for micro_batch_loss in self._micro_batch_losses:
+            report[p] += micro_batch_loss.to(report)
         assert self._pp_group is not None
-        dist.broadcast(loss, dist.get_global_rank(self._pp_group, self._last_owner), group=self._pp_group)
+        dist.all_reduce(report, group=self._pp_group)
+        # The step ends when the last rank of the pipeline is done: a rank that finishes early waits in the bubble.
+        step_s = 0.0 if self._timer is None else self._timer.step_seconds()
         if self.data_parallel_size > 1:
             for param in own:
                 if param.grad is not None:
                     dist.all_reduce(param.grad, group=self._dp_group)
                     param.grad /= self.data_parallel_size
-            dist.all_reduce(loss, group=self._dp_group)
-            loss /= self.data_parallel_size
+            dist.all_reduce(report, group=self._dp_group)
+            report /= self.data_parallel_size
         self._step_grads = [(param, param.grad) for param in own if param.grad is not None]
         for param, grad in zip(own, previous, strict=True):
             param.grad = grad
-        assert self.lightning_module is not None
-        self.lightning_module.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
+        module = self.lightning_module
+        assert module is not None
+        loss = report[p]
+        module.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
+        if self._timer is not None:
+            self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in report[:p].tolist()], batch_size)
         return loss
+
+    def _log_bubble(self, module: pl.LightningModule, bubbles: list[float], batch_size: int) -> None:
+        """Each pipeline rank's idle fraction of the step, their mean (progress bar) and the schedule's formula."""
+        module.log("pipeline/bubble", sum(bubbles) / len(bubbles), prog_bar=True, batch_size=batch_size)
+        for rank, value in enumerate(bubbles):
+            module.log(f"pipeline/bubble_rank{rank}", value, batch_size=batch_size)
+        theory = self.schedule.theoretical_bubble(self.pipeline_size, self.chunks, self.stages_per_rank)
+        if theory is not None:
+            module.log("pipeline/bubble_theory", theory, batch_size=batch_size)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -419,10 +449,36 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         return closure_loss
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """The micro-batch's loss weighted by ``1 / chunks``, scaled by the precision plugin's ``GradScaler`` if any.
+
+        The schedule's backward is the one ``16-mixed`` would have scaled; the unscaled loss is kept for the log.
+        """
         module = self.lightning_module
         assert module is not None
-        loss: Tensor = getattr(module, LOSS_HOOK)(output, target)
-        return loss / self.chunks
+        loss: Tensor = getattr(module, LOSS_HOOK)(output, target) / self.chunks
+        self._micro_batch_losses.append(loss.detach())
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return loss if scaler is None else scaler.scale(loss)
+
+    def _share_found_inf(self, scaler: Any) -> None:
+        """Make ``scaler.unscale_`` report an inf or NaN found on any stage to every rank of the pipeline.
+
+        Each rank unscales its own stages' gradients only; without this, the ranks would disagree on whether to skip
+        the step and on the next scale.
+        """
+        unscale = scaler.unscale_
+
+        def unscale_(optimizer: Optimizer) -> None:
+            unscale(optimizer)
+            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            any_found = torch.zeros((), dtype=torch.float32, device=self.root_device)
+            for value in found.values():
+                any_found = torch.maximum(any_found, value.to(any_found))
+            dist.all_reduce(any_found, op=dist.ReduceOp.MAX, group=self._pp_group)
+            for value in found.values():
+                value.copy_(any_found)
+
+        scaler.unscale_ = unscale_
 
     def _schedule_for(self, x: Tensor) -> Any:
         """The schedule for batches shaped as ``x`` (built on the first such batch: its stages' shapes are static)."""
@@ -437,7 +493,8 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         try:
             for stage in self._stages.values():
                 stage.eval()  # shapes only: no running statistics updated, no random numbers drawn
-            with torch.no_grad():
+            # Under the training step's precision context: with autocast the activations travel in its dtype.
+            with torch.no_grad(), self.precision_plugin.train_step_context():
                 self._pipelined_forward(micro, examples)
         finally:
             for m, mode in training.items():
@@ -460,6 +517,9 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
             )
             for index, stage in sorted(self._stages.items())
         ]
+        if self._timer is not None:
+            for pipeline_stage in stages:
+                self._timer.wrap(pipeline_stage)
         schedule_class = self.schedule.schedule_class()
         options: dict[str, Any] = {"n_microbatches": self.chunks, "loss_fn": self._loss}
         if "scale_grads" in inspect.signature(schedule_class).parameters:
