@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import PipelineStrategy
+from lightning_balanced.pipeline.saved_bytes import SavedTensorBytes
 from lightning_balanced.pipeline.stage_plan import SCHEDULES
 from tests.distributed import run_distributed
 from tests.helpers import quiet_trainer
@@ -99,6 +100,50 @@ def test_the_measured_bubble_is_the_schedules_formula_when_stages_are_equal() ->
             # The first step builds the stages' buffers; the median of the rest, within 3 points of the formula.
             measured = statistics.median(step[f"pipeline/bubble_rank{rank}"] for step in steps[1:])
             assert measured == pytest.approx(theory, abs=0.03), (schedule, rank, steps)
+
+
+class _SavedBytes(Callback):
+    """The peak of the activations saved for backward in each training step, on this rank (its stages only).
+
+    The batch itself is left out with the parameters: stage 0's micro-batches are views of it, which it holds anyway.
+    """
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self._meter: SavedTensorBytes | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        self._meter = SavedTensorBytes(exclude=[*module.parameters(), *batch]).__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        assert self._meter is not None
+        self._meter.__exit__(None, None, None)
+        self.peaks.append(self._meter.peak)
+
+
+def _activation_memory_rank(rank: int, world_size: int, schedules: list[str]) -> dict[str, list[int]]:
+    peaks = {}
+    for schedule in schedules:
+        torch.manual_seed(0)
+        layers = [layer for _ in range(4) for layer in (nn.Linear(32, 32), nn.Tanh())]
+        saved = _SavedBytes()
+        trainer = quiet_trainer(
+            PipelineStrategy(schedule=schedule, chunks=16, log_bubble=False), world_size, max_steps=2, callbacks=[saved]
+        )
+        data = TensorDataset(torch.randn(128, 32), torch.randn(128, 32))
+        trainer.fit(_Regressor(nn.Sequential(*layers)), DataLoader(data, batch_size=64))
+        peaks[schedule] = saved.peaks
+    return peaks
+
+
+@pytest.mark.skipif(not SCHEDULES["1F1B"].available(), reason="1F1B runs under strategy='pipeline' from torch 2.8")
+def test_1f1b_keeps_p_over_m_of_gpipes_activations_on_stage_0() -> None:
+    # p = 4 ranks, m = 16 micro-batches: GPipe keeps all 16 micro-batches' activations on stage 0 until its backward,
+    # 1F1B at most p = 4 of them (Narayanan et al., 2021).
+    results = run_distributed(_activation_memory_rank, 4, ["GPipe", "1F1B"], timeout_s=300)
+    gpipe, one_f_one_b = results[0]["GPipe"], results[0]["1F1B"]
+    assert gpipe[0] == gpipe[1] > 0 and one_f_one_b[0] == one_f_one_b[1] > 0
+    assert one_f_one_b[0] <= 4 / 16 * gpipe[0] * 1.1, (one_f_one_b, gpipe)
 
 
 def _mixed_precision_rank(rank: int, world_size: int, plugin: str) -> dict[str, Any]:
