@@ -87,7 +87,7 @@ class SavedTensorBytes:
 
     @staticmethod
     def _unpack(packed: Any) -> Tensor:
-        return packed.tensor if isinstance(packed, _Saved) else packed  # type: ignore[no-any-return]
+        return packed.tensor if isinstance(packed, _Saved) else packed
 
     def __enter__(self) -> SavedTensorBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
