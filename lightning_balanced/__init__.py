@@ -22,6 +22,7 @@ from lightning_balanced.strategies import (
     BalancedDataParallelStrategy,
     GPipeStrategy,
     LRScaledDDPStrategy,
+    LRScaledPipelineStrategy,
     PipelineStrategy,
 )
 from lightning_balanced.strategies.registration import register_strategies
@@ -41,6 +42,7 @@ __all__ = [
     "Gpu0Budget",
     "IndexedDataset",
     "LRScaledDDPStrategy",
+    "LRScaledPipelineStrategy",
     "PipelineStrategy",
     "SplitPolicy",
     "SyncBatchNorm",

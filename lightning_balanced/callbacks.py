@@ -63,9 +63,9 @@ class LRScaleFactorCheck(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Check the optimizer states about to be restored."""
-        from lightning_balanced.strategies.ddp_lr import LRScaledDDPStrategy
+        from lightning_balanced.strategies.ddp_lr import LRScaledDDP
 
-        if trainer.state.fn != TrainerFn.FITTING or isinstance(trainer.strategy, LRScaledDDPStrategy):
+        if trainer.state.fn != TrainerFn.FITTING or isinstance(trainer.strategy, LRScaledDDP):
             return
         if any(getattr(c, "manages_lr_scale_factor", False) for c in trainer.callbacks):  # type: ignore[attr-defined]
             return  # ScaleInvariance stores the factor too, and rescales from it

@@ -29,6 +29,7 @@ __all__ = [
     "LRScalingPolicy",
     "ScalingPolicy",
     "applied_lr_scale_factor",
+    "data_parallel_size",
     "effective_batch_size",
     "lr_scale_factor",
     "rescale_learning_rates",
@@ -55,6 +56,15 @@ def validate_policy(lr_scaling: str) -> LRScalingPolicy:
     if lr_scaling not in POLICIES:
         raise ValueError(f"`lr_scaling` must be one of {list(POLICIES)}, got {lr_scaling!r}")
     return lr_scaling  # type: ignore[return-value]
+
+
+def data_parallel_size(strategy: Any) -> int:
+    """The processes that each see their own data: the ``world_size`` of the effective batch size.
+
+    The strategy's ``data_parallel_size`` where it has one (``strategy="pipeline"``: its pipelines, ``world_size / p``),
+    else its ``world_size`` (1 for single-process ``balanced_dp`` and ``gpipe``, whose batch is already the whole one).
+    """
+    return int(getattr(strategy, "data_parallel_size", strategy.world_size))
 
 
 def effective_batch_size(per_device_batch_size: int, world_size: int, accumulate_grad_batches: int = 1) -> int:

@@ -38,6 +38,7 @@ from lightning_balanced.lr_scaling import (
     EMA_RULE_SOURCE,
     LR_RULES,
     ScalingPolicy,
+    data_parallel_size,
     rescale_learning_rates,
     scaled_ema_momentum,
     scaled_hyperparameters,
@@ -56,15 +57,6 @@ __all__ = [
 
 #: The key each param group keeps its reference (unscaled) hyperparameters under; saved with the optimizer state.
 REFERENCE_KEY = "scale_invariance_reference"
-
-
-def data_parallel_size(strategy: Any) -> int:
-    """The processes that each see their own data.
-
-    The strategy's ``data_parallel_size`` where it has one (``strategy="pipeline"``: the pipelines), else its
-    ``world_size`` (1 for single-process ``balanced_dp`` and ``gpipe``, whose batch is already the whole one).
-    """
-    return int(getattr(strategy, "data_parallel_size", strategy.world_size))
 
 
 class ScaleInvariance(Callback):

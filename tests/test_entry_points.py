@@ -149,10 +149,11 @@ def test_import_registers_our_strategies_in_both_registries() -> None:
     standalone_registry = pytest.importorskip("pytorch_lightning.strategies").StrategyRegistry
     from lightning_balanced.strategies import pytorch_lightning_compat
 
-    # gpipe and pipeline have no standalone variant (README); every other name is registered in both, alike.
-    for own_code in ("gpipe", "pipeline"):
-        assert own_code in ours and own_code not in standalone_registry
-    for name in set(ours) - {"gpipe", "pipeline"}:
+    # gpipe and the pipelines have no standalone variant (README); every other name is registered in both, alike.
+    own_code = {"gpipe", "pipeline", "pipeline_lr_linear", "pipeline_lr_sqrt"}
+    for name in own_code:
+        assert name in ours and name not in standalone_registry
+    for name in set(ours) - own_code:
         assert standalone_registry[name]["strategy"] in pytorch_lightning_compat.STRATEGIES
         assert standalone_registry[name]["init_params"] == StrategyRegistry[name]["init_params"]
 

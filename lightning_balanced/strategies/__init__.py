@@ -9,5 +9,12 @@ from lightning_balanced.strategies.balanced_dp import BalancedDataParallelStrate
 from lightning_balanced.strategies.ddp_lr import LRScaledDDPStrategy
 from lightning_balanced.strategies.gpipe import GPipeStrategy
 from lightning_balanced.strategies.pipeline import PipelineStrategy
+from lightning_balanced.strategies.pipeline_lr import LRScaledPipelineStrategy
 
-__all__ = ["BalancedDataParallelStrategy", "GPipeStrategy", "LRScaledDDPStrategy", "PipelineStrategy"]
+__all__ = [
+    "BalancedDataParallelStrategy",
+    "GPipeStrategy",
+    "LRScaledDDPStrategy",
+    "LRScaledPipelineStrategy",
+    "PipelineStrategy",
+]

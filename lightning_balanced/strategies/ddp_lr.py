@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_balanced.arguments import check_int
 from lightning_balanced.lr_scaling import (
     LR_SCALE_FACTOR_KEY,
+    data_parallel_size,
     effective_batch_size,
     lr_scale_factor,
     rescale_learning_rates,
@@ -104,11 +105,12 @@ class LRScaledDDP(RegisteredStrategy, _StrategyBase):
     def scale_factor(self, trainer: pl.Trainer) -> tuple[float, str]:
         """The factor for the current run and a sentence that explains it."""
         accumulate = trainer.accumulate_grad_batches
+        size = data_parallel_size(self)  # the world size, or the pipelines of strategy="pipeline_lr_*"
+        size_name = "world_size" if size == self.world_size else "data-parallel size"
         if self.reference_batch_size is None:
-            factor = lr_scale_factor(self.lr_scaling, self.world_size * accumulate, 1)
+            factor = lr_scale_factor(self.lr_scaling, size * accumulate, 1)
             return factor, (
-                f"world_size {self.world_size} x accumulate_grad_batches {accumulate} against one device without"
-                " accumulation"
+                f"{size_name} {size} x accumulate_grad_batches {accumulate} against one device without accumulation"
             )
         per_device = _train_batch_size(trainer)
         if per_device is None:
@@ -117,10 +119,10 @@ class LRScaledDDP(RegisteredStrategy, _StrategyBase):
                 " read (a DataLoader with `batch_size` or a `batch_sampler.batch_size` is needed); use"
                 " `reference_batch_size=None` to scale by world_size x accumulate_grad_batches"
             )
-        effective = effective_batch_size(per_device, self.world_size, accumulate)
+        effective = effective_batch_size(per_device, size, accumulate)
         factor = lr_scale_factor(self.lr_scaling, effective, self.reference_batch_size)
         return factor, (
-            f"effective batch {effective} (per-device {per_device} x world_size {self.world_size} x"
+            f"effective batch {effective} (per-device {per_device} x {size_name} {size} x"
             f" accumulate_grad_batches {accumulate}) against reference_batch_size {self.reference_batch_size}"
         )
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_balanced import DistributedEvalMixin, PipelineStrategy
+from lightning_balanced import DistributedEvalMixin, GPipeStrategy, LRScaledPipelineStrategy, PipelineStrategy
 from lightning_balanced.pipeline.stage_plan import SCHEDULES, stage_indices, stage_owners
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
@@ -97,7 +97,8 @@ def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[An
     for run in runs:
         model = _NoLoss() if run.get("no_loss") else PipelinedRegressor()
         losses = _Losses()
-        strategy = PipelineStrategy(**run["strategy"])
+        strategy_class = LRScaledPipelineStrategy if "lr_scaling" in run["strategy"] else PipelineStrategy
+        strategy = strategy_class(**run["strategy"])
         trainer = quiet_trainer(strategy, world_size, max_steps=3, callbacks=[losses], **run.get("trainer", {}))
         loader = DataLoader(_data(), batch_size=8, shuffle=False)
         if run.get("no_loss"):
@@ -112,6 +113,7 @@ def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[An
             "losses": losses.losses,
             "val_loss": val,
             "stages_on_rank": sorted(strategy_stage_indices(strategy)),
+            "lr_scale_factor": getattr(strategy, "lr_scale_factor", None),
         }
         if run.get("checkpoint"):  # one epoch, saved, resumed for a second under a new strategy; and two at once
             path = f"{run['checkpoint']}/pipeline.ckpt"
@@ -159,14 +161,16 @@ _CLIPPED = {"strategy": {"schedule": "GPipe", "chunks": 4}, "trainer": {"gradien
 _NO_LOSS = {"strategy": {"schedule": "GPipe", "chunks": 4}, "no_loss": True}
 
 
-def _reference(steps: int, batch_size: int = 8, shards: int = 1, clip: float | None = None) -> tuple[Any, list[float]]:
+def _reference(
+    steps: int, batch_size: int = 8, shards: int = 1, clip: float | None = None, lr: float = LR
+) -> tuple[Any, list[float]]:
     """The unpipelined model in one process: SGD on each global batch, the ``shards`` data-parallel shards side by side.
 
     The samples come in the order of Lightning's ``DistributedSampler`` for training (shuffled with seed 0, epoch by
     epoch): one shard per pipeline.
     """
     model = PipelinedRegressor()
-    optimizer = model.configure_optimizers()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     data = _data()
     x, y = data[:]
     batches = []
@@ -262,13 +266,53 @@ def test_checkpoints_resume_and_evaluation_on_one_pipeline_of_two_ranks(tmp_path
 
 
 def test_two_pipelines_of_two_ranks_equal_one_process_on_the_global_batch(tmp_path: Path) -> None:
-    runs = [
-        {"strategy": {"schedule": ONE_F_ONE_B, "chunks": 2, "pipeline_parallel_size": 2}, "checkpoint": str(tmp_path)}
-    ]
+    mesh = {"schedule": ONE_F_ONE_B, "chunks": 2, "pipeline_parallel_size": 2}
+    runs = [{"strategy": mesh, "checkpoint": str(tmp_path)}, {"strategy": {**mesh, "lr_scaling": "linear"}}]
     results = run_distributed(_fit_rank, 4, runs, timeout_s=600)
     expected_state, expected_losses = _reference(3, shards=2)
     _assert_trained_as([rank[0] for rank in results], expected_state, expected_losses, runs[0])
     _check_checkpoint_and_evaluation([rank[0] for rank in results], tmp_path / "pipeline.ckpt", shards=2)
+    # strategy="pipeline_lr_linear": the factor is the data-parallel size d = 2, not the world size 4.
+    assert [rank[1]["lr_scale_factor"] for rank in results] == [2.0] * 4
+    scaled_state, scaled_losses = _reference(3, shards=2, lr=2 * LR)
+    _assert_trained_as([rank[1] for rank in results], scaled_state, scaled_losses, runs[1])
+
+
+# ---- a checkpoint moves between pipeline sizes and to gpipe and back ----------------------------------------------
+def _one_epoch_rank(rank: int, world_size: int, resume: str | None, save: str, strategy: dict[str, Any]) -> Any:
+    model = PipelinedRegressor()
+    epochs = 1 if resume is None else int(torch.load(resume, weights_only=False)["epoch"]) + 1  # one more
+    trainer = quiet_trainer(PipelineStrategy(**strategy), world_size, max_epochs=epochs)
+    trainer.fit(model, DataLoader(_data(8), batch_size=8), ckpt_path=resume)
+    trainer.save_checkpoint(save)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_checkpoint_goes_from_two_stages_to_gpipe_to_four_stages_and_trains_on(tmp_path: Path) -> None:
+    # One batch of all 8 samples per epoch, so the order of the samples does not matter: SGD with momentum, 3 steps,
+    # saved and resumed at every step: 2 pipeline ranks, then gpipe in one process (2 CPU partitions, its own cut),
+    # then 4 pipeline ranks; momentum buffers travel with the weights.
+    first, second, third = (str(tmp_path / f"{name}.ckpt") for name in ("p2", "gpipe", "p4"))
+    run_distributed(_one_epoch_rank, 2, None, first, {"schedule": ONE_F_ONE_B, "chunks": 2}, timeout_s=300)
+    model = PipelinedRegressor()
+    gpipe = quiet_trainer(GPipeStrategy(balance=[4, 2], chunks=2), 2, max_epochs=2, accelerator="cpu")
+    gpipe.fit(model, DataLoader(_data(8), batch_size=8), ckpt_path=first)
+    gpipe.save_checkpoint(second)
+    ranks = run_distributed(
+        _one_epoch_rank, 4, second, third, {"schedule": "GPipe", "chunks": 2, "balance": [2, 1, 2, 1]}, timeout_s=300
+    )
+    reference = PipelinedRegressor()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    x, y = _data(8)[:]
+    for _ in range(3):
+        optimizer.zero_grad()
+        F.mse_loss(reference.sequential_module(x), y).backward()
+        optimizer.step()
+    for state in ranks:
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, **EXACT, msg=name)
+    plain = PipelinedRegressor()
+    plain.load_state_dict(torch.load(third, weights_only=False)["state_dict"])  # the plain layout, under any p
 
 
 # ---- pure parts: placements and arguments --------------------------------------------------------------------------
@@ -313,3 +357,34 @@ def test_a_schedule_older_torch_cannot_run_names_the_release_it_runs_from(monkey
     ):
         PipelineStrategy(schedule="1F1B")
     assert not SCHEDULES["1F1B"].available() and SCHEDULES["GPipe"].available()
+
+
+# ---- a stage that returns no tensor: a named error on its rank, and no hang on the others ---------------------------
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+class _Sum(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] + pair[1]
+
+
+def _tuple_stage_rank(rank: int, world_size: int) -> str:
+    model = PipelinedRegressor()
+    model.sequential_module = nn.Sequential(nn.Linear(5, 3), _Pair(), _Sum(), nn.Linear(3, 3)).double()
+    trainer = quiet_trainer(PipelineStrategy(schedule="GPipe", chunks=2, balance=[2, 2]), world_size, max_steps=1)
+    try:
+        trainer.fit(model, DataLoader(_data(8), batch_size=4))
+    except Exception as error:  # what each rank ends with is the result
+        return f"{type(error).__name__}: {error}"
+    return "trained"
+
+
+def test_a_stage_that_returns_a_tuple_is_named_and_its_peer_does_not_hang() -> None:
+    first, second = run_distributed(_tuple_stage_rank, 2, timeout_s=120)
+    assert first == (
+        "TypeError: pipeline stage 0 returned tuple; the stages of strategy='pipeline' pass one tensor to the next"
+    )
+    # Rank 1 waits for stage 0's activation; when rank 0 stops, gloo ends its wait with an error, not a hang.
+    assert second.startswith("RuntimeError: "), second

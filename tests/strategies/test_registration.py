@@ -55,6 +55,7 @@ def test_the_strategies_are_the_entry_points_of_pyproject_in_order() -> None:
         "LRScaledDDPStrategy",
         "GPipeStrategy",
         "PipelineStrategy",
+        "LRScaledPipelineStrategy",
     ]
     for name, strategy in zip(declared, strategy_classes(), strict=True):
         assert strategy.strategy_name == name  # the entry is named after the strategy

@@ -1,0 +1,59 @@
+"""``strategy="pipeline_lr_linear"`` / ``"pipeline_lr_sqrt"``: pipelines x data parallel with ``ddp_lr_*``'s scaling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_balanced.strategies.ddp_lr import LRScaledDDP
+from lightning_balanced.strategies.pipeline import PipelineStrategy
+from lightning_balanced.strategies.registration import RegistryName
+
+__all__ = ["LRScaledPipelineStrategy"]
+
+
+class LRScaledPipelineStrategy(LRScaledDDP, PipelineStrategy):
+    """:class:`PipelineStrategy` that scales the learning rate as ``ddp_lr_*`` do, in its data-parallel size.
+
+    With ``pipeline_parallel_size=p`` and ``p x d`` processes, the effective batch size is ``per-device batch x d x
+    accumulate_grad_batches``: the ``d`` pipelines each read their own data, the ``p`` ranks of a pipeline the same. The
+    factor, its storage in the param groups (resume-safe), ``reference_batch_size`` and ``warmup_steps`` are those of
+    :class:`~lightning_balanced.LRScaledDDPStrategy`; BatchNorm is not synchronized (``strategy="pipeline"`` does not
+    take ``sync_batchnorm``).
+
+    Args:
+        lr_scaling: ``"linear"`` (Goyal et al. 2017), ``"sqrt"`` (Hoffer et al. 2017; Malladi et al. 2022 for Adam-like
+            optimizers) or ``"none"``.
+        reference_batch_size: the effective batch size the base learning rate was tuned for; ``None`` = the
+            dataloader's batch size on one pipeline without accumulation.
+        warmup_steps: optimizer steps of gradual warmup from the unscaled to the scaled learning rate.
+        **kwargs: what :class:`PipelineStrategy` takes (``schedule``, ``chunks``, ``pipeline_parallel_size``, ...).
+
+    Raises:
+        ValueError: as :class:`~lightning_balanced.LRScaledDDPStrategy` and :class:`PipelineStrategy` raise.
+        TypeError: as :class:`~lightning_balanced.LRScaledDDPStrategy` and :class:`PipelineStrategy` raise.
+    """
+
+    strategy_name = "pipeline_lr"
+    registry_names = tuple(
+        RegistryName(
+            f"pipeline_lr_{policy}",
+            f"pipeline parallelism with {policy} learning-rate scaling in its data-parallel size",
+            {"lr_scaling": policy},
+        )
+        for policy in ("linear", "sqrt")
+    )
+
+    def __init__(
+        self,
+        lr_scaling: str = "linear",
+        reference_batch_size: int | None = None,
+        warmup_steps: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            lr_scaling=lr_scaling,
+            reference_batch_size=reference_batch_size,
+            warmup_steps=warmup_steps,
+            sync_batchnorm=False,
+            **kwargs,
+        )
