@@ -9,6 +9,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.nn import functional as F
@@ -31,6 +33,50 @@ except ImportError:  # Lightning < 2.6
 
 
 # ---- the rules -----------------------------------------------------------------------------------------------------
+KAPPAS = st.sampled_from([0.25, 0.5, 1.0, 2.0, 3.0, 4.0]) | st.floats(0.25, 4.0)
+RULES = st.sampled_from(["linear", "sqrt", "adam_sde"])
+# Adam and RMSprop values whose decays stay above 0 at kappa up to 16 (two scalings of 4): 1 - beta <= 1/32.
+REFERENCES = st.fixed_dictionaries(
+    {
+        "betas": st.tuples(st.floats(0.97, 0.9999), st.floats(0.97, 0.99999)),
+        "alpha": st.floats(0.97, 0.9999),
+        "eps": st.floats(1e-12, 1e-3),
+    }
+)
+
+
+def _close(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(
+        (tuple(a[k]) == pytest.approx(tuple(b[k]), rel=1e-9)) if k == "betas" else a[k] == pytest.approx(b[k], rel=1e-9)
+        for k in a
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(RULES, KAPPAS, REFERENCES)
+def test_every_rule_at_kappa_then_one_over_kappa_restores_every_value(rule: str, kappa: float, ref: Any) -> None:
+    policy = ScalingPolicy(rule, ema=True)
+    there = scaled_hyperparameters(ref, kappa, policy)
+    assert _close(scaled_hyperparameters(there, 1 / kappa, policy), ref)
+    assert policy.lr_factor(kappa) * policy.lr_factor(1 / kappa) == pytest.approx(1.0, rel=1e-12)
+    momentum = 0.1
+    assert scaled_ema_momentum(scaled_ema_momentum(momentum, kappa), 1 / kappa) == pytest.approx(momentum, rel=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(RULES, KAPPAS, KAPPAS, REFERENCES, st.floats(1e-3, 0.5))
+def test_every_rule_composes_kappa_one_then_two_as_their_product(
+    rule: str, first: float, second: float, ref: Any, momentum: float
+) -> None:
+    policy = ScalingPolicy(rule, ema=True)
+    twice = scaled_hyperparameters(scaled_hyperparameters(ref, first, policy), second, policy)
+    assert _close(twice, scaled_hyperparameters(ref, first * second, policy))
+    assert policy.lr_factor(first) * policy.lr_factor(second) == pytest.approx(policy.lr_factor(first * second))
+    assert scaled_ema_momentum(scaled_ema_momentum(momentum, first), second) == pytest.approx(
+        scaled_ema_momentum(momentum, first * second), rel=1e-9
+    )
+
+
 def test_adam_sde_rule_scales_one_minus_beta_by_kappa_and_eps_by_one_over_sqrt_kappa() -> None:
     policy = ScalingPolicy.parse("adam_sde")
     scaled = scaled_hyperparameters({"betas": (0.9, 0.999), "eps": 1e-8}, 4.0, policy)
