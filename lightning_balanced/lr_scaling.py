@@ -315,7 +315,7 @@ def scaled_hyperparameters(reference: dict[str, Any], kappa: float, policy: Scal
         ValueError: ``1 - beta`` times ``kappa`` reaches 1 (the batch grew too much for this beta: a momentum of 0 or
             below), naming the value.
     """
-    if policy.lr_rule != "adam_sde":
+    if policy.lr_rule != "adam_sde" or kappa == 1:  # at the reference batch, every value exactly as it was
         return dict(reference)
     scaled: dict[str, Any] = {}
     for key, value in reference.items():
@@ -342,4 +342,6 @@ def _scaled_decay(name: str, value: float, kappa: float) -> float:
 
 def scaled_ema_momentum(momentum: float, kappa: float) -> float:
     """An EMA momentum as torch counts it (``1 - rho``, as BatchNorm) at ``kappa``: ``1 - (1 - momentum)^kappa``."""
+    if kappa == 1:  # exactly as it was: 1 - (1 - m) is not always m in floating point
+        return float(momentum)
     return 1.0 - float((1.0 - momentum) ** kappa)

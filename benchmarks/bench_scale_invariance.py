@@ -1,0 +1,239 @@
+"""ScaleInvariance: the validation-loss curve against samples seen on 1, 2 and 4 processes, per scaling policy.
+
+The digits job (scikit-learn's 8x8 digits, a conv-BatchNorm CNN, float64) trains with Adam (lr 1e-3, betas (0.9,
+0.999), eps 1e-8, tuned at batch 32) under ``strategy="ddp"`` on 1, 2 and 4 spawned gloo CPU processes at per-device
+batch 32, so the effective batch is 32, 64 and 128 (``kappa`` = 1, 2, 4). The config is the same apart from
+``devices``: a :class:`~lightning_balanced.scale_invariance.ScaleInvariance` callback with ``reference_batch_size=32``
+and a warmup of 512 samples, under each policy:
+
+* ``adam_sde+ema``: the SDE rule for Adam (lr x sqrt(kappa), 1 - beta x kappa, eps / sqrt(kappa); Malladi et al.,
+  NeurIPS 2022) and the EMA rule for BatchNorm's momentum (Busbridge et al., NeurIPS 2023);
+* ``sqrt``: the learning rate x sqrt(kappa) only (the contrast the issue asks for).
+
+Rank 0 measures the loss on the whole validation split at 8 checkpoints, every 512 samples seen (over all processes),
+for ``--seeds`` seeds (the seed sets the initial weights and the data order). A curve is *inside the band* when, at
+every checkpoint, its mean over the seeds lies within 2 standard deviations (over the seeds) of the 1-process curve's
+mean. The anchor is the 1-process run of the same script. Ends with ``adam_sde_ema_inside=`` and ``sqrt_inside=``
+(the world sizes whose curve lies inside the band) and ``worst_z_adam_sde_ema=`` (the largest distance from the
+1-process mean, in its standard deviations). ``--plot`` saves loss against samples, one line per world size, one panel
+per policy (needs matplotlib); ``--json`` writes the curves.
+
+Usage: ``python benchmarks/bench_scale_invariance.py [--seeds 5] [--world-sizes 1 2 4] [--plot curves.png]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_balanced.scale_invariance import ScaleInvariance
+
+PER_DEVICE_BATCH = 32
+REFERENCE_BATCH = 32
+CHECKPOINT_SAMPLES = 512
+CHECKPOINTS = 8
+WARMUP_SAMPLES = 512
+POLICIES: dict[str, list[str]] = {"adam_sde+ema": ["adam_sde", "ema"], "sqrt": ["sqrt"]}
+
+
+def digits() -> tuple[TensorDataset, TensorDataset]:
+    """The 80/20 stratified split of scikit-learn's digits, standardized with the training set's statistics."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float64).unsqueeze(1)
+    y = torch.tensor(data.target, dtype=torch.long)
+    train, val = train_test_split(range(len(y)), test_size=0.2, stratify=data.target, random_state=0)
+    mean, std = x[train].mean(), x[train].std()
+    x = (x - mean) / std
+    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
+
+
+class Digits(pl.LightningModule):
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1, bias=False),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, 10),
+        ).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr, betas=(0.9, 0.999), eps=1e-8)
+
+
+class ValidationCurve(pl.Callback):
+    """On rank 0, the loss on the whole validation set every ``every_steps`` optimizer steps."""
+
+    def __init__(self, val: TensorDataset, every_steps: int) -> None:
+        self.x, self.y = val.tensors
+        self.every_steps = every_steps
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step % self.every_steps or not trainer.is_global_zero:
+            return
+        net = module.net  # type: ignore[attr-defined]
+        net.eval()
+        with torch.no_grad():
+            self.losses.append(F.cross_entropy(net(self.x), self.y).item())
+        net.train()
+
+
+def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: int, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    train, val = digits()
+    steps_per_checkpoint = every // (PER_DEVICE_BATCH * world_size)
+    curves: dict[str, list[list[float]]] = {name: [] for name in POLICIES}
+    for name, policy in POLICIES.items():
+        for seed in range(seeds):
+            pl.seed_everything(seed, verbose=False)
+            model = Digits(lr)
+            curve = ValidationCurve(val, steps_per_checkpoint)
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                devices=world_size,
+                strategy=DDPStrategy(),
+                max_steps=steps_per_checkpoint * CHECKPOINTS,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                limit_val_batches=0,
+                callbacks=[
+                    ScaleInvariance(policy, reference_batch_size=REFERENCE_BATCH, warmup_samples=WARMUP_SAMPLES),
+                    curve,
+                ],
+            )
+            loader = DataLoader(train, batch_size=PER_DEVICE_BATCH, shuffle=True, drop_last=True)
+            trainer.fit(model, loader)
+            curves[name].append(curve.losses)
+    if rank == 0:
+        queue.put(curves)
+    dist.destroy_process_group()
+
+
+def run(world_size: int, seeds: int, lr: float, every: int) -> dict[str, list[list[float]]]:
+    """Each policy's curves (one per seed, ``CHECKPOINTS`` losses each) on ``world_size`` spawned processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").Queue()
+    mp.start_processes(_rank, args=(world_size, port, seeds, lr, every, queue), nprocs=world_size, start_method="spawn")
+    return queue.get()  # type: ignore[no-any-return]
+
+
+def z_scores(curves: list[list[float]], anchor: list[list[float]]) -> list[float]:
+    """At each checkpoint: |mean(curves) - mean(anchor)| / std(anchor), over the seeds."""
+    scores = []
+    for index in range(len(anchor[0])):
+        reference = [curve[index] for curve in anchor]
+        mean = statistics.fmean(curve[index] for curve in curves)
+        spread = statistics.stdev(reference)
+        scores.append(abs(mean - statistics.fmean(reference)) / spread if spread > 0 else float("inf"))
+    return scores
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument(
+        "--checkpoint-samples", type=int, default=CHECKPOINT_SAMPLES, help="samples between checkpoints"
+    )
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate at the reference batch of 32")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--plot", default=None, help="save the curves to this image (needs matplotlib)")
+    parser.add_argument("--json", default=None, help="write the curves to this file")
+    args = parser.parse_args()
+    if args.world_sizes[0] != 1 or args.seeds < 2:
+        parser.error("the first world size must be 1 (the anchor) and --seeds at least 2")
+    if args.plot:
+        try:
+            import matplotlib
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install matplotlib")
+    every = args.checkpoint_samples
+    if every % (PER_DEVICE_BATCH * max(args.world_sizes)):
+        parser.error(f"--checkpoint-samples must be a multiple of {PER_DEVICE_BATCH} x the largest world size")
+    results = {world_size: run(world_size, args.seeds, args.lr, every) for world_size in args.world_sizes}
+    samples = [every * (i + 1) for i in range(CHECKPOINTS)]
+    print(
+        f"validation loss at {samples[0]}..{samples[-1]} samples, mean over {args.seeds} seeds, lr {args.lr}"
+        f" (torch {torch.__version__})"
+    )
+    inside: dict[str, list[int]] = {}
+    worst: dict[str, float] = {}
+    for name in POLICIES:
+        anchor = results[1][name]
+        inside[name] = []
+        worst[name] = 0.0
+        for world_size in args.world_sizes:
+            curves = results[world_size][name]
+            means = [statistics.fmean(curve[i] for curve in curves) for i in range(CHECKPOINTS)]
+            line = " ".join(f"{value:.4f}" for value in means)
+            if world_size == 1:
+                print(f"{name:>13} w=1  {line}  (anchor)")
+                continue
+            scores = z_scores(curves, anchor)
+            verdict = "inside" if max(scores) <= 2 else "outside"
+            print(f"{name:>13} w={world_size}  {line}  max |z| {max(scores):.2f}: {verdict} the 2-sigma band")
+            if max(scores) <= 2:
+                inside[name].append(world_size)
+            worst[name] = max(worst[name], max(scores))
+    print(
+        f"adam_sde_ema_inside={inside['adam_sde+ema']} sqrt_inside={inside['sqrt']}"
+        f" worst_z_adam_sde_ema={worst['adam_sde+ema']:.2f} worst_z_sqrt={worst['sqrt']:.2f}"
+    )
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"samples": samples, "curves": {str(w): c for w, c in results.items()}}, file)
+    if args.plot:
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axes = plt.subplots(1, len(POLICIES), figsize=(5 * len(POLICIES), 4), sharey=True)
+        for axis, name in zip(axes, POLICIES, strict=True):
+            for world_size in args.world_sizes:
+                curves = results[world_size][name]
+                means = [statistics.fmean(curve[i] for curve in curves) for i in range(CHECKPOINTS)]
+                axis.plot(samples, means, marker="o", label=f"{world_size} process" + ("es" if world_size > 1 else ""))
+            axis.set(title=name, xlabel="samples seen", ylabel="validation loss", yscale="log")
+            axis.legend()
+        figure.tight_layout()
+        figure.savefig(args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
