@@ -309,8 +309,19 @@ def _extensions() -> tuple[list, dict]:
         py_limited_api=True,
     )
 
+    import torch
+
+    # Object files in build/ under the repository, one folder per torch release and kernel set: pip's editable install
+    # hands setuptools a fresh temporary folder each time, so every reinstall compiled everything again (minutes with
+    # CUDA kernels); here ninja recompiles only what changed.
+    objects = ROOT / "build" / f"objects-torch{torch.__version__}-{'cuda' if use_cuda else 'cpu'}"
+
     class BuildExtension(cpp_extension.BuildExtension):
-        """torch's ``BuildExtension``, then the check that the linked ``.so`` uses the shared libstdc++."""
+        """torch's ``BuildExtension``, objects kept in ``build/``; then the check that the ``.so`` uses libstdc++.so."""
+
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            self.build_temp = str(objects)
 
         def build_extension(self, ext: Any) -> None:
             super().build_extension(ext)

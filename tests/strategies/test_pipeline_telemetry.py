@@ -21,7 +21,7 @@ from lightning_balanced.pipeline.stage_plan import SCHEDULES
 from tests.distributed import run_distributed
 from tests.helpers import quiet_trainer
 
-FORWARD_S = 0.02  # each stage's forward per micro-batch; its backward takes twice as long, as a matmul's does
+FORWARD_S = 0.05  # each stage's forward per micro-batch; its backward takes twice as long, as a matmul's does
 
 
 class _Sleep(torch.autograd.Function):
