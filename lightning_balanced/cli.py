@@ -11,8 +11,10 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import re
 import sys
-from typing import Any
+import types
+from typing import Any, NoReturn
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -53,6 +55,50 @@ def _strategy_help() -> str:
     return "\n".join(lines)
 
 
+# jsonargparse's words for an argument a class does not take: "Option 'x' is not accepted" (4.53), "No action for
+# key "x" to check its value" (4.27).
+_NOT_ACCEPTED = re.compile(
+    r"class_path '(?P<path>[\w.]+)':\s*(?:Option '(?P<option>\w+)' is not accepted"
+    r"|Validation failed: No action for key \"(?P<key>\w+)\")"
+)
+
+
+def _close_arguments(message: str) -> str:
+    """``Did you mean ...?`` for an argument a class does not take, from the ``__init__`` arguments along its MRO."""
+    found = _NOT_ACCEPTED.search(message)
+    if found is None:
+        return ""
+    module_name, _, class_name = found["path"].rpartition(".")
+    cls = getattr(sys.modules.get(module_name), class_name, None)
+    if not isinstance(cls, type):
+        return ""
+    names = {
+        name
+        for klass in cls.__mro__
+        if "__init__" in vars(klass)
+        for name in inspect.signature(vars(klass)["__init__"]).parameters
+        if name not in ("self", "args", "kwargs")
+    }
+    option = found["option"] or found["key"]
+    close = difflib.get_close_matches(option, sorted(names), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return f"\n{class_name} takes no {option!r}: did you mean {' or '.join(repr(c) for c in close)}?"
+
+
+def _concise_error(parser: LightningArgumentParser, message: str, ex: Exception | None = None) -> NoReturn:
+    """A parser error as jsonargparse words it, without its usage block (50 lines for ``fit``).
+
+    The message, a suggestion for a misspelt argument, and where the options are listed; with ``exit_on_error`` off
+    or ``JSONARGPARSE_DEBUG`` set, jsonargparse's own behaviour.
+    """
+    if not parser.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+        LightningArgumentParser.error(parser, message, ex)
+    prog = (getattr(ex, "subcommand_parser", None) or parser).prog.replace(" [options]", "")
+    sys.stderr.write(f"error: {message}{_close_arguments(message)}\ntip: `{prog} --help` lists every option\n")
+    parser.exit(2)
+
+
 class LightningBalancedCLI(LightningCLI):
     """``LightningCLI`` that loads the strategy plugins first and takes model and data by ``class_path``.
 
@@ -88,6 +134,13 @@ class LightningBalancedCLI(LightningCLI):
             subclass_mode_data=subclass_mode_data,
             **kwargs,
         )
+
+    @override
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """Lightning's parser, whose errors leave out the usage block (see :func:`_concise_error`)."""
+        parser = super().init_parser(**kwargs)
+        parser.error = types.MethodType(_concise_error, parser)  # type: ignore[method-assign]
+        return parser
 
     @override
     def before_instantiate_classes(self) -> None:

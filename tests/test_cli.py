@@ -144,6 +144,26 @@ def test_a_misspelt_strategy_name_is_refused_in_one_line_with_the_closest_names(
     assert "\n" not in message and ", pipeline, " in message
 
 
+def test_a_misspelt_strategy_argument_gets_a_suggestion_and_no_usage_block(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n  strategy:\n"
+        "    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      gpu0_bs: 16\n"
+    )
+    with pytest.raises(SystemExit) as info:
+        LightningBalancedCLI(args=["fit", "--config", str(config), *BORING])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines[0] == 'error: Parser key "trainer.strategy":', err  # no usage block before the message
+    assert "BalancedDataParallelStrategy takes no 'gpu0_bs': did you mean 'gpu0_bsz'?" in lines, err
+    # jsonargparse >= 4.28 names the subcommand's parser ("lightning-balanced fit --help"), older ones the command's.
+    assert re.fullmatch(r"tip: `lightning-balanced (fit )?--help` lists every option", lines[-1]), err
+    assert len(lines) < 15, err
+
+
 def test_the_strategy_help_lists_the_split_policies(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(
         capsys,

@@ -36,13 +36,20 @@ from lightning_balanced.evaluation.store_gather import store_all_gather_object
 __all__ = ["DistributedEvalMixin", "IndexedDataset"]
 
 
+#: The attribute through which ``balanced_dp`` tells each replica of the LightningModule where its chunk stands:
+#: ``(step, replica index)``, the chunks of a batch in batch order. Calls from the replicas' threads arrive in any
+#: order; the gather puts them back in this one (a call outside the replicas goes after its step's chunks).
+REPLICA_POSITION = "_lightning_balanced_replica_position"
+
+
 class _Call(NamedTuple):
-    """One ``add_eval_outputs`` call with samples: its fields' structure (interned), its leaves' values, its indices."""
+    """One ``add_eval_outputs`` call with samples: structure (interned), leaf values, indices, place in the order."""
 
     structure: Any
     values: list[Any]
     indices: Tensor | None
     samples: int
+    position: tuple[int, int]
 
 
 class _Meta(NamedTuple):
@@ -171,17 +178,20 @@ class DistributedEvalMixin:
     Without ``indices``, rank ``r``'s ``j``-th sample is taken as the sampler's position ``j * world_size + r``. This
     is exact when each rank adds its samples in loader order, the sampler is a ``DistributedSampler`` with
     ``drop_last=False`` (Lightning's default for evaluation) and the dataset size is known (from the evaluation
-    dataloader, or ``dataset_size``); the result is then in sampler order. With ``balanced_dp``, pass indices: the
-    chunks of a batch may be added in any order. Works the same on one device, with ``balanced_dp``, ``ddp`` and
-    ``ddp_lr_*``.
+    dataloader, or ``dataset_size``); the result is then in sampler order. Under ``balanced_dp`` the replicas add
+    their chunks from their own threads, in any order: the gather puts them back in batch order (``balanced_dp`` marks
+    each replica's chunk), so indices are not needed there either. Works the same on one device, with ``balanced_dp``,
+    ``ddp``, ``ddp_lr_*`` and the pipelines.
     """
 
     _eval_buffer: list[_Call]
+    _eval_last_step: list[int]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Created eagerly: balanced_dp's replicas copy the module's __dict__, so they append to this same list.
         self._eval_buffer = []
+        self._eval_last_step = [0]  # shared with the replicas the same way: the step of the latest replica call
 
     def add_eval_outputs(self, indices: Tensor | Sequence[int] | None = None, **fields: Any) -> None:
         """Buffer per-sample outputs of this rank (no communication).
@@ -212,7 +222,7 @@ class DistributedEvalMixin:
             if len(_structures) > 1024:  # fields that change every call: an error at the gather, but bounded here
                 _structures.clear()
             structure = _structures.setdefault(structure, structure)  # one hash per call
-            self._eval_buffer.append(_Call(structure, values, index, count))
+            self._eval_buffer.append(_Call(structure, values, index, count, self._eval_position()))
 
     def gather_eval_outputs(
         self, *, dataset_size: int | None = None, group: Any | None = None, timeout_s: float = 60.0
@@ -245,12 +255,20 @@ class DistributedEvalMixin:
         if not timeout_s > 0:
             raise ValueError(f"`timeout_s` must be > 0 seconds, got {timeout_s}")
         buffer, self._eval_buffer = self._eval_buffer, []
+        buffer.sort(key=lambda call: call.position)  # balanced_dp's chunks in batch order (stable: else unchanged)
         if dataset_size is None and (not buffer or buffer[0].indices is None):  # needed without indices only
             dataset_size = self._eval_dataset_size()
         if group is None:
             trainer = getattr(self, "_trainer", None)
             group = getattr(trainer.strategy, "data_parallel_group", None) if trainer is not None else None
         return _gather(buffer, dataset_size, group, self._root_device(), timeout_s)  # type: ignore[no-any-return]
+
+    def _eval_position(self) -> tuple[int, int]:
+        position: tuple[int, int] | None = self.__dict__.get(REPLICA_POSITION)
+        if position is not None:  # in a replica of balanced_dp: remember the step for calls made outside the replicas
+            self._eval_last_step[0] = position[0]
+            return position
+        return (self._eval_last_step[0], 1 << 30)
 
     def _root_device(self) -> torch.device:
         trainer = getattr(self, "_trainer", None)

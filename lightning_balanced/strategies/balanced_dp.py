@@ -50,6 +50,7 @@ from lightning_balanced.data_parallel.replica_context import (
 from lightning_balanced.data_parallel.replicate import parameter_copies
 from lightning_balanced.data_parallel.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.data_parallel.virtual_device import emulated_device, emulated_step
+from lightning_balanced.evaluation.mixin import REPLICA_POSITION
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 _REPORT_MEMORY_AFTER_STEPS = 3
@@ -214,6 +215,7 @@ class BalancedDataParallel(SingleProcess):
         self._plan_reported = False
         self._training_steps = 0
         self._resident_bytes = 0
+        self._steps_run = 0  # dispatched steps: with the replica index, the order of DistributedEvalMixin's calls
 
     @property
     def gpu0_bsz(self) -> int | None:
@@ -360,8 +362,10 @@ class BalancedDataParallel(SingleProcess):
             # Before share_metrics: the replicas are walked side by side with the dispatcher.
             parameter_copies(dispatcher, replicas) if manual else (),
         )
+        self._steps_run += 1
         for i, replica in enumerate(replicas):
             replica_module = replica.module
+            replica_module.__dict__[REPLICA_POSITION] = (self._steps_run, i)  # DistributedEvalMixin: the chunk order
             replica_module.log = recorders[i].log  # type: ignore[method-assign]
             share_metrics(replica_module, self._metrics, self._metric_lock, shared)
             if manual:

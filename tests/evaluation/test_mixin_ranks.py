@@ -364,3 +364,37 @@ def test_a_batch_index_passed_as_indices_is_refused_naming_the_call() -> None:
         " target=...)` without indices",
     ):
         Holder().add_eval_outputs(3, pred=torch.zeros(2))  # type: ignore[arg-type]
+
+
+# ---- balanced_dp without indices: the replicas' chunks come back in batch order -------------------------------------
+class UnindexedModel(DistributedEvalMixin, pl.LightningModule):
+    """Adds its outputs without indices; a chunk's step takes longer the more samples it has, so the replicas with the
+    first (larger) chunks add theirs last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 3).double()
+        self.out: dict[str, Any] = {}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (x,) = batch
+        time.sleep(0.02 * len(x))
+        self.add_eval_outputs(y=self.layer(x), first=[float(x[0, 0])] * len(x))
+        if len(x):
+            self.add_eval_outputs(y=self.layer(x[:0]), first=[])  # an empty call changes nothing
+
+    def on_validation_epoch_end(self) -> None:
+        self.add_eval_outputs(y=self.layer(torch.zeros(0, 2, dtype=torch.float64)), first=[])  # outside the replicas
+        self.out = self.gather_eval_outputs()
+
+
+@pytest.mark.parametrize("chunk_sizes", [[6, 2], [4, 3, 1]], ids=["2-devices", "3-devices"])
+def test_balanced_dp_without_indices_gathers_in_batch_order(chunk_sizes: list[int]) -> None:
+    x = torch.randn(20, 2, dtype=torch.float64)
+    model = UnindexedModel()
+    strategy = BalancedDataParallelStrategy(chunk_sizes=chunk_sizes)
+    trainer = quiet_trainer(strategy, len(chunk_sizes), accelerator="cpu")
+    trainer.validate(model, DataLoader(TensorDataset(x), batch_size=8), verbose=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model.out["y"], model.layer(x), rtol=0, atol=0)  # row by row: the same products
+    assert len(model.out["first"]) == 20
