@@ -28,7 +28,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -44,6 +43,7 @@ from lightning_balanced.lr_scaling import (
     scaled_hyperparameters,
     warmup_multiplier,
 )
+from lightning_balanced.progress_log import rank_zero_report
 
 __all__ = [
     "LR_RULES",
@@ -159,7 +159,7 @@ class ScaleInvariance(Callback):
                     config.scheduler = SampleStepping(config.scheduler, kappa)  # type: ignore[assignment]
         if self.policy.ema:
             lines += self._scale_emas(trainer, pl_module, kappa)
-        rank_zero_info("\n".join(lines))
+        rank_zero_report("\n".join(lines))
 
     def _scale_group(self, group: dict[str, Any], where: str, kappa: float, source: str) -> list[str]:
         keys = [key for key in ("betas", "alpha", "eps") if key in group]

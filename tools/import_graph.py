@@ -32,7 +32,12 @@ LAYERS: list[list[str]] = [
     ["lightning_balanced.pipeline"],
     ["lightning_balanced.data_parallel"],
     ["lightning_balanced.nn", "lightning_balanced.evaluation", "lightning_balanced.lr_scaling"],
-    ["lightning_balanced.ops", "lightning_balanced.arguments", "lightning_balanced._import_origin"],
+    [
+        "lightning_balanced.ops",
+        "lightning_balanced.arguments",
+        "lightning_balanced._import_origin",
+        "lightning_balanced.progress_log",
+    ],
 ]
 
 

@@ -8,10 +8,10 @@ from collections import deque
 from collections.abc import Sequence
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_balanced.arguments import check_int, check_real
 from lightning_balanced.data_parallel.split_policy import NAMED_POLICIES, SplitPolicy, even_split, proportional_split
+from lightning_balanced.progress_log import rank_zero_report
 
 __all__ = ["AutoSplit"]
 
@@ -264,7 +264,7 @@ class AutoSplit(SplitPolicy):
             shared = f", one device with devices {group}" if len(group) > 1 else ""
             lines.append(f"  device {i}: {n} samples, {r:.3g} s/sample{memory}{shared}")
         lines.append(f"  to pin it: chunk_sizes={self._planned}")
-        rank_zero_info("\n".join(lines))
+        rank_zero_report("\n".join(lines))
 
     def _capacity(self, device: int, num_devices: int) -> int | None:
         """The capacity of ``device``'s physical device: the sum of its replicas' shares; ``None`` if one is unknown."""

@@ -17,7 +17,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module
 from torchmetrics import Metric
 from typing_extensions import override
@@ -51,6 +51,7 @@ from lightning_balanced.data_parallel.replicate import parameter_copies
 from lightning_balanced.data_parallel.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.data_parallel.virtual_device import emulated_device, emulated_step
 from lightning_balanced.evaluation.mixin import REPLICA_POSITION
+from lightning_balanced.progress_log import rank_zero_report
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 _REPORT_MEMORY_AFTER_STEPS = 3
@@ -477,7 +478,7 @@ class BalancedDataParallel(SingleProcess):
             share = 100.0 * size / batch_size if batch_size else 0.0
             left_out = "" if size else ", left out"
             lines.append(f"  device {index} ({device}): {_count(size, 'sample')} ({share:.1f}%){left_out}")
-        rank_zero_info("\n".join(lines))
+        rank_zero_report("\n".join(lines))
 
     def _report_memory(self) -> None:
         self._training_steps += 1
@@ -490,7 +491,7 @@ class BalancedDataParallel(SingleProcess):
             shared = [i for i, d in enumerate(self.parallel_devices) if d == device]
             together = f" (shared by devices {shared})" if len(shared) > 1 else ""
             lines.append(f"  device {index} ({device}): {peak:.0f} MiB{together}")
-        rank_zero_info("\n".join(lines))
+        rank_zero_report("\n".join(lines))
 
 
 class BalancedDataParallelStrategy(BalancedDataParallel, ParallelStrategy):

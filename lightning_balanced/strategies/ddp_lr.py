@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import lightning.pytorch as pl
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -26,6 +26,7 @@ from lightning_balanced.lr_scaling import (
     warmup_multiplier,
 )
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm as _DeviceSyncBatchNorm  # the old name warns
+from lightning_balanced.progress_log import rank_zero_report
 from lightning_balanced.strategies.process_group import end_process_group
 from lightning_balanced.strategies.registration import RegisteredStrategy, RegistryName
 
@@ -158,7 +159,7 @@ class LRScaledDDP(RegisteredStrategy, _StrategyBase):
             ratio = rescale_learning_rates(optimizer, schedulers, factor)
             ratios.append(ratio)
             lrs = ", ".join(f"{group['lr']:.6g}" for group in optimizer.param_groups)
-            rank_zero_info(
+            rank_zero_report(
                 f"lr scaling ({self.lr_scaling}): factor {factor:.6g} from {why}; optimizer {index}"
                 f" ({type(optimizer).__name__}) param group lrs now [{lrs}]"
                 + ("" if ratio == factor else f" (rescaled by {ratio:.6g} from a stored factor)")

@@ -12,7 +12,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -21,6 +20,7 @@ from lightning_balanced.data_parallel import virtual_devices
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
 from lightning_balanced.pipeline.balance import BALANCE_CHOICES, BalanceChoice, choose_balance, even_balance
 from lightning_balanced.pipeline.pipe import validate_balance, validate_checkpoint, validate_chunks
+from lightning_balanced.progress_log import rank_zero_report
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
@@ -283,7 +283,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             lines.append(
                 f"  partition {j} ({partition.device}): layers {first}-{last} ({names}), {params:,} parameters"
             )
-        rank_zero_info("\n".join(lines))
+        rank_zero_report("\n".join(lines))
 
     def _unwrap(self) -> None:
         if self._pipe is None:

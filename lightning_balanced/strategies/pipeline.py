@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
@@ -33,6 +32,7 @@ from lightning_balanced.pipeline.stage_plan import (
     stage_indices,
     stage_owners,
 )
+from lightning_balanced.progress_log import rank_zero_report
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
@@ -338,7 +338,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         for stage, size in enumerate(self._balance):
             lines.append(f"  stage {stage}: layers {start}..{start + size - 1} on pipeline rank {self._owners[stage]}")
             start += size
-        rank_zero_info("\n".join(lines))
+        rank_zero_report("\n".join(lines))
 
     @override
     def on_train_end(self) -> None:
