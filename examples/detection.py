@@ -326,8 +326,10 @@ class DigitDetector(DistributedEvalMixin, pl.LightningModule):
         ]
         targets = [{"boxes": b, "labels": lab} for b, lab in zip(out["gt_boxes"], out["gt_labels"], strict=True)]
         metrics = coco_map(predictions, targets)
-        self.log_dict({"val_map": metrics["map"], "val_map_50": metrics["map_50"]}, prog_bar=True, sync_dist=False)
-        self.log("val_images", float(len(targets)))
+        # The same values on every rank (gathered above): sync_dist's mean leaves them as they are, and tells Lightning
+        # they need no further syncing (it would warn otherwise).
+        self.log_dict({"val_map": metrics["map"], "val_map_50": metrics["map_50"]}, prog_bar=True, sync_dist=True)
+        self.log("val_images", float(len(targets)), sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW with a one-cycle schedule over the whole run (per step)."""
