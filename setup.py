@@ -2,9 +2,10 @@
 
 Build against the installed torch: ``pip install --no-build-isolation -e ".[test]"``. One switch picks the build:
 
-* ``LIGHTNING_BALANCED_CUDA=auto`` (default): CPU kernels always; CUDA kernels too when torch is a CUDA build *and* a
-  usable CUDA toolkit is found (``nvcc`` runs, the toolkit has the CUDA runtime library and headers, and its major
-  version is torch's). A toolkit that looks broken gives a CPU-only build and a warning, never a failed install.
+* ``LIGHTNING_BALANCED_CUDA=auto`` (default): CPU kernels always; CUDA kernels too when torch is a CUDA build, a GPU
+  is visible or ``TORCH_CUDA_ARCH_LIST`` is set (torchvision's and mmcv's rule), *and* a usable CUDA toolkit is found
+  (``nvcc`` runs, the toolkit has the CUDA runtime library and headers, and its major version is torch's). A toolkit
+  that looks broken gives a CPU-only build and a warning, never a failed install.
 * ``LIGHTNING_BALANCED_CUDA=1`` (``FORCE_CUDA=1`` is an alias): CPU + CUDA kernels, or fail naming what is missing.
 * ``LIGHTNING_BALANCED_CUDA=0``: CPU kernels only.
 * ``LIGHTNING_BALANCED_NO_EXT=1``: no extension at all; the ops fall back to pure PyTorch (and warn once).
@@ -165,6 +166,14 @@ def _plan_cuda(mode: str) -> bool:
                 f"{torch.__version__} is a CPU build. Install a CUDA build of torch, or set {SWITCH}=0."
             )
         _say(f"building CPU kernels only (torch {torch.__version__} is a CPU build)")
+        return False
+    if mode == "auto" and not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+        # As torchvision and mmcv decide: no GPU to build for. A GPU image built on a CPU node says so explicitly.
+        _say(
+            f"building CPU kernels only: no GPU is visible and TORCH_CUDA_ARCH_LIST is not set (torch"
+            f" {torch.__version__}). To build the CUDA kernels here anyway, for a GPU machine elsewhere, set {SWITCH}=1"
+            " (or FORCE_CUDA=1; every architecture torch supports, minutes) or TORCH_CUDA_ARCH_LIST (those only)"
+        )
         return False
     try:
         home, version = _find_toolkit(torch.version.cuda)

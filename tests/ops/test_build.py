@@ -134,11 +134,28 @@ def test_cpu_build_of_torch_builds_cpu_kernels_in_auto_mode_and_refuses_mode_1(
         build._plan_cuda("1")
 
 
+def test_without_a_gpu_or_an_arch_list_auto_builds_cpu_kernels_and_says_how_to_build_cuda_ones(
+    build: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setenv("CUDA_HOME", "/nonexistent")  # never looked at: nothing to build for
+    assert build._plan_cuda("auto") is False
+    assert capsys.readouterr().err == (
+        f"lightning_balanced: building CPU kernels only: no GPU is visible and TORCH_CUDA_ARCH_LIST is not set (torch"
+        f" {torch.__version__}). To build the CUDA kernels here anyway, for a GPU machine elsewhere, set"
+        " LIGHTNING_BALANCED_CUDA=1 (or FORCE_CUDA=1; every architecture torch supports, minutes) or"
+        " TORCH_CUDA_ARCH_LIST (those only)\n"
+    )
+
+
 def test_broken_toolkit_gives_a_cpu_build_with_a_warning_in_auto_mode_and_an_error_in_mode_1(
     build: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # an empty directory: no nvcc
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")  # something to build for, GPU or not
     with pytest.warns(UserWarning, match=r"building CPU kernels only.*no nvcc at"):
         assert build._plan_cuda("auto") is False
     with pytest.raises(SystemExit, match=r"no nvcc at.*LIGHTNING_BALANCED_CUDA=0"):
