@@ -109,6 +109,10 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
     every stage, so they load under any strategy and any ``balance``; after ``fit`` every rank holds the whole trained
     model.
 
+    Mixed precision: under ``bf16-mixed``/``16-mixed`` the stages run in autocast and exchange activations in its
+    dtype; under ``16-mixed`` the schedule's backward runs on the ``GradScaler``-scaled loss, and an inf or NaN found on
+    any stage skips the step on every rank.
+
     Data parallel x pipeline: with ``pipeline_parallel_size=p`` and a world of ``p * d`` processes, the ranks form a
     2-D ``DeviceMesh`` ``("dp", "pp")``: ``d`` pipelines, each of ``p`` consecutive ranks, each fed its own shard of the
     data (``DistributedSampler`` over the ``d`` replicas); after each batch the gradients of every stage are averaged
@@ -129,6 +133,10 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         activation_checkpointing: recompute each stage's activations in backward instead of keeping them
             (``torch.utils.checkpoint``, non-reentrant).
         module_name: the attribute of the LightningModule that holds the ``nn.Sequential``.
+        log_bubble: log each step's measured bubble: ``pipeline/bubble`` (progress bar; the mean over the pipeline's
+            ranks of the fraction of the step each rank's stages sat idle, in ``[0, 1]``), ``pipeline/bubble_rank{r}``
+            and ``pipeline/bubble_theory``, the schedule's ``(p - 1) / (v * m + p - 1)`` (not for zero-bubble
+            schedules). On CUDA the stages are timed with events, and each step waits for its last kernel once.
         **kwargs: what :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``process_group_backend``,
             ``timeout``, ``start_method``, ...).
 
@@ -140,6 +148,8 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
             setup, a world size that ``pipeline_parallel_size`` does not divide, a missing ``nn.Sequential``, a
             ``balance`` that does not cover its layers, fewer layers than stages, manual optimization,
             ``sync_batchnorm=True``, or no ``compute_loss``; in a step, a batch size that ``chunks`` does not divide.
+        RuntimeError: in a step or a forward pass, when another rank of the pipeline stopped (an error there, or
+            killed): the backend's broken connection, said for what it is, instead of a hang.
 
     Source: ``torch.distributed.pipelining`` (PyTorch 2.4+): ``PipelineStage`` and its schedules; GPipe (Huang et
     al., NeurIPS 2019), 1F1B (PipeDream-Flush, Narayanan et al., 2021), zero-bubble schedules (Qi et al., ICLR 2024);
@@ -383,6 +393,10 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
                 " `drop_last=True` for a short last batch)"
             )
         x, y = x.to(self.root_device), y.to(self.root_device)
+        with self._naming_a_lost_peer("a training step"):
+            return self._train_on(x, y, batch_size)
+
+    def _train_on(self, x: Tensor, y: Tensor, batch_size: int) -> Tensor:
         schedule = self._schedule_for(x)
         own = self._own_parameters()
         previous = [param.grad for param in own]
@@ -536,7 +550,32 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
 
     def _forward(self, x: Tensor) -> Tensor:
         """The ``nn.Sequential``'s forward while the strategy runs: the last stage's output on every rank."""
-        return self._pipelined_forward(x)
+        with self._naming_a_lost_peer("a forward pass"):
+            return self._pipelined_forward(x)
+
+    @contextmanager
+    def _naming_a_lost_peer(self, what: str) -> Iterator[None]:
+        """A broken connection to another rank of the pipeline, reported as what it is: that rank stopped.
+
+        When a rank fails (an error in its stage, or killed), the ranks exchanging with it get a transport error from
+        the backend (gloo: ``Connection closed by peer``) instead of waiting out the process group's timeout.
+        """
+        try:
+            yield
+        except RuntimeError as error:
+            text = str(error)
+            lost = isinstance(error, getattr(dist, "DistBackendError", ())) or any(
+                sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+            )
+            if not lost:
+                raise
+            assert self._pp_group is not None
+            ranks = dist.get_process_group_ranks(self._pp_group)
+            raise RuntimeError(
+                f"strategy='pipeline': rank {self.global_rank} lost its connection to another rank of its pipeline"
+                f" (ranks {ranks}) in {what}: that rank stopped; its own error, reported by that process, is the"
+                f" cause. The backend said: {text.splitlines()[0] if text else type(error).__name__}"
+            ) from error
 
     # ---- gradient clipping -----------------------------------------------------------------------------------------
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
