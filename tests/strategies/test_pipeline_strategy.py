@@ -31,11 +31,12 @@ LR = 0.1
 class PipelinedRegressor(pl.LightningModule):
     """A float64 MLP in an ``nn.Sequential`` of 6 layers, with its loss as the pipeline's hook."""
 
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(self, dropout: float = 0.0, deep: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        middle = [nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh()] if deep else []  # 10 layers: 8 stages
         self.sequential_module = nn.Sequential(
-            nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(dropout), nn.Tanh(), nn.Linear(16, 3)
+            nn.Linear(5, 16), nn.Tanh(), *middle, nn.Linear(16, 16), nn.Dropout(dropout), nn.Tanh(), nn.Linear(16, 3)
         ).double()
         self.val_losses: list[float] = []
 
@@ -95,7 +96,7 @@ class _Evaluated(DistributedEvalMixin, PipelinedRegressor):
 def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[Any]:
     results: list[Any] = []
     for run in runs:
-        model = _NoLoss() if run.get("no_loss") else PipelinedRegressor()
+        model = _NoLoss() if run.get("no_loss") else PipelinedRegressor(deep=run.get("deep", False))
         losses = _Losses()
         strategy_class = LRScaledPipelineStrategy if "lr_scaling" in run["strategy"] else PipelineStrategy
         strategy = strategy_class(**run["strategy"])
@@ -162,14 +163,14 @@ _NO_LOSS = {"strategy": {"schedule": "GPipe", "chunks": 4}, "no_loss": True}
 
 
 def _reference(
-    steps: int, batch_size: int = 8, shards: int = 1, clip: float | None = None, lr: float = LR
+    steps: int, batch_size: int = 8, shards: int = 1, clip: float | None = None, lr: float = LR, deep: bool = False
 ) -> tuple[Any, list[float]]:
     """The unpipelined model in one process: SGD on each global batch, the ``shards`` data-parallel shards side by side.
 
     The samples come in the order of Lightning's ``DistributedSampler`` for training (shuffled with seed 0, epoch by
     epoch): one shard per pipeline.
     """
-    model = PipelinedRegressor()
+    model = PipelinedRegressor(deep=deep)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     data = _data()
     x, y = data[:]
@@ -231,6 +232,24 @@ def test_every_schedule_trains_as_the_unpipelined_model_on_two_ranks() -> None:
         "strategy='pipeline' needs `_NoLoss.compute_loss(self, output, target) -> Tensor`: the loss of one"
         " micro-batch, which the last stage calls on each micro-batch"
     ] * 2
+
+
+_FOUR_RANK_RUNS = [
+    {"strategy": {"schedule": name, "chunks": 4}, "deep": True}
+    for name in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+    if _available(name)
+]
+
+
+def test_every_schedule_trains_as_the_unpipelined_model_on_four_ranks() -> None:
+    # p = 4: one stage per rank, or two (8 stages of a 10-layer model) for the looped and V-shaped schedules.
+    results = run_distributed(_fit_rank, 4, _FOUR_RANK_RUNS, timeout_s=600)
+    expected_state, expected_losses = _reference(3, deep=True)
+    for index, run in enumerate(_FOUR_RANK_RUNS):
+        ranks = [results[rank][index] for rank in range(4)]
+        _assert_trained_as(ranks, expected_state, expected_losses, run)
+        stages = sorted(s for rank in ranks for s in rank["stages_on_rank"])
+        assert stages == list(range(len(stages))), run
 
 
 def _check_checkpoint_and_evaluation(ranks: list[dict[str, Any]], checkpoint: Path, shards: int) -> None:
