@@ -117,7 +117,9 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
     2-D ``DeviceMesh`` ``("dp", "pp")``: ``d`` pipelines, each of ``p`` consecutive ranks, each fed its own shard of the
     data (``DistributedSampler`` over the ``d`` replicas); after each batch the gradients of every stage are averaged
     over its ``d`` replicas with an ``all_reduce`` on the ``dp`` group, so a step equals the unpipelined model's on the
-    global batch of ``d`` shards. The logged loss is averaged over the replicas too.
+    global batch of ``d`` shards. The logged loss is averaged over the replicas too. (Not DDP or FSDP2: their gradient
+    hooks do not follow the zero-bubble schedules' split of backward into input and weight passes; the explicit
+    reduction works under every schedule, without overlapping backward.)
 
     Args:
         schedule: the name of a ``torch.distributed.pipelining`` schedule: ``"GPipe"``, ``"1F1B"`` (one stage per
