@@ -10,7 +10,7 @@ at, the scaling rules say how to change them so that training follows the same c
   beta2), ``eps / sqrt(kappa)``;
 * ``"ema"``, composable with any of those: every exponential moving average's momentum ``rho -> rho ** kappa``
   (Busbridge et al., NeurIPS 2023, "How to Scale Your EMA"): BatchNorm's running statistics (torch's ``momentum`` is
-  ``1 - rho``) and the decay of Lightning's ``EMAWeightAveraging``.
+  ``1 - rho``), the decay of Lightning's ``EMAWeightAveraging`` and of a torch ``AveragedModel`` EMA.
 
 Schedules and warmup are counted in samples (:class:`ScaleInvariance`'s ``warmup_samples`` and
 ``schedules_in_samples``), so the same config means the same thing on 1 or 8 processes.
@@ -30,6 +30,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
+from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int
@@ -67,8 +68,10 @@ class ScaleInvariance(Callback):
     policy once (see the module docstring): every param group's learning rate (and ``initial_lr``, OneCycleLR's range,
     every scheduler's base and floor learning rates, through
     :func:`~lightning_balanced.lr_scaling.rescale_learning_rates`), Adam's ``betas`` and ``eps``, RMSprop's ``alpha``
-    and ``eps``; with ``"ema"``, every BatchNorm's ``momentum`` and the decay of Lightning's ``EMAWeightAveraging``.
-    One line is logged per rescaled value: before, after, and the rule's source.
+    and ``eps``; with ``"ema"``, every BatchNorm's ``momentum``, the decay of Lightning's ``EMAWeightAveraging``
+    (Lightning 2.6+) and that of every ``torch.optim.swa_utils.AveragedModel`` the LightningModule holds whose update
+    function is torch's ``get_ema_avg_fn``/``get_ema_multi_avg_fn``. One line is logged per rescaled value: before,
+    after, and the rule's source.
 
     Resume-safe: the applied LR factor and each group's reference hyperparameters are stored in the param groups, hence
     in every checkpoint; a resume on another world size rescales from the references, never compounding. BatchNorm
@@ -109,6 +112,7 @@ class ScaleInvariance(Callback):
         self.kappa = 1.0
         self.effective_batch_size = reference_batch_size
         self._momentum: dict[_BatchNorm, float] = {}
+        self._averaged: list[tuple[AveragedModel, str, Any]] = []
         self._ema: list[tuple[Any, float]] = []
         self._hooks: list[Any] = []
 
@@ -190,6 +194,20 @@ class ScaleInvariance(Callback):
                 _set_ema_decay(callback, new)
                 self._ema.append((callback, decay))
                 lines.append(f"  {type(callback).__name__} decay: {decay} -> {new:.6g} ({EMA_RULE_SOURCE})")
+        # torch's AveragedModel held by the LightningModule (the EMA of Lightning < 2.6), made with get_ema_avg_fn or
+        # get_ema_multi_avg_fn: its update function is rebuilt with the scaled decay, and put back at the end of fit.
+        for name, averaged in pl_module.named_modules():
+            if not isinstance(averaged, AveragedModel):
+                continue
+            for attribute in ("multi_avg_fn", "avg_fn"):
+                function = getattr(averaged, attribute, None)
+                decay = _closure_decay(function)
+                if decay is None:
+                    continue
+                new = 1.0 - scaled_ema_momentum(1.0 - decay, kappa)
+                setattr(averaged, attribute, _ema_function_like(function, new))
+                self._averaged.append((averaged, attribute, function))
+                lines.append(f"  {name} AveragedModel decay: {decay} -> {new:.6g} ({EMA_RULE_SOURCE})")
         return lines
 
     @override
@@ -199,6 +217,9 @@ class ScaleInvariance(Callback):
         for callback, decay in self._ema:
             _set_ema_decay(callback, decay)
         self._ema = []
+        for averaged, attribute, function in self._averaged:
+            setattr(averaged, attribute, function)
+        self._averaged = []
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -261,21 +282,34 @@ def _warmup_hooks(optimizer: Optimizer, callback: ScaleInvariance, trainer: pl.T
     return [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
 
 
-def _ema_decay(callback: Any) -> float | None:
-    """The decay of Lightning's ``EMAWeightAveraging`` (torch's ``get_ema_avg_fn`` closure), else ``None``."""
-    kwargs = getattr(callback, "_kwargs", None)
-    avg_fn = kwargs.get("avg_fn") if isinstance(kwargs, dict) else None
-    update = getattr(avg_fn, "__wrapped__", avg_fn)  # under torch.no_grad()'s wrapper
+_EMA_FACTORIES = ("get_ema_avg_fn.", "get_ema_multi_avg_fn.")
+
+
+def _closure_decay(function: Any) -> float | None:
+    """The ``decay`` of an update function from torch's ``get_ema_avg_fn``/``get_ema_multi_avg_fn``, else ``None``."""
+    update = getattr(function, "__wrapped__", function)  # under torch.no_grad()'s wrapper
     code = getattr(update, "__code__", None)
     closure = getattr(update, "__closure__", None)
-    if code is None or code.co_freevars != ("decay",) or closure is None:
+    qualname = getattr(update, "__qualname__", "")
+    if code is None or code.co_freevars != ("decay",) or closure is None or not qualname.startswith(_EMA_FACTORIES):
         return None
     return float(closure[0].cell_contents)
 
 
-def _set_ema_decay(callback: Any, decay: float) -> None:
-    from torch.optim.swa_utils import get_ema_avg_fn
+def _ema_function_like(function: Any, decay: float) -> Any:
+    """An update function from the same torch factory as ``function``, with ``decay``."""
+    update = getattr(function, "__wrapped__", function)
+    multi = update.__qualname__.startswith("get_ema_multi_avg_fn.")
+    return get_ema_multi_avg_fn(decay) if multi else get_ema_avg_fn(decay)
 
+
+def _ema_decay(callback: Any) -> float | None:
+    """The decay of Lightning's ``EMAWeightAveraging`` (torch's ``get_ema_avg_fn`` closure), else ``None``."""
+    kwargs = getattr(callback, "_kwargs", None)
+    return _closure_decay(kwargs.get("avg_fn") if isinstance(kwargs, dict) else None)
+
+
+def _set_ema_decay(callback: Any, decay: float) -> None:
     avg_fn = get_ema_avg_fn(decay)
     callback._kwargs["avg_fn"] = avg_fn
     if getattr(callback, "_average_model", None) is not None:

@@ -281,6 +281,31 @@ def test_the_decay_of_lightnings_ema_weight_averaging_follows_the_ema_rule() -> 
     assert ema._kwargs["avg_fn"].__wrapped__.__closure__[0].cell_contents == pytest.approx(0.9)  # back after fit
 
 
+@pytest.mark.parametrize("factory", ["get_ema_multi_avg_fn", "get_ema_avg_fn"])
+def test_the_decay_of_a_torch_averaged_model_follows_the_ema_rule(factory: str) -> None:
+    # The EMA of Lightning < 2.6: torch's AveragedModel, held by the LightningModule and updated after each step.
+    from torch.optim import swa_utils
+
+    class WithEma(Net):
+        def __init__(self) -> None:
+            super().__init__("sgd")
+            make = getattr(swa_utils, factory)
+            option = "multi_avg_fn" if factory == "get_ema_multi_avg_fn" else "avg_fn"
+            self.ema = swa_utils.AveragedModel(self.net, **{option: make(0.9)})
+            self.option, self.decays = option, []
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            update = getattr(self.ema, self.option)
+            self.decays.append(getattr(update, "__wrapped__", update).__closure__[0].cell_contents)
+            self.ema.update_parameters(self.net)
+
+    model = WithEma()
+    _fit(model, [ScaleInvariance(["linear", "ema"], reference_batch_size=8)], batch_size=24)
+    assert model.decays == [pytest.approx(0.9**3)] * 2
+    update = getattr(model.ema, model.option)
+    assert getattr(update, "__wrapped__", update).__closure__[0].cell_contents == pytest.approx(0.9)  # back after fit
+
+
 def test_with_an_lr_scaled_ddp_strategy_the_run_is_refused_never_scaled_twice() -> None:
     from types import SimpleNamespace
 
