@@ -24,7 +24,7 @@ from lightning_balanced.scale_invariance import (
     scaled_ema_momentum,
     scaled_hyperparameters,
 )
-from tests.helpers import raises_exactly
+from tests.helpers import quiet_trainer, raises_exactly
 
 try:
     from lightning.pytorch.callbacks import EMAWeightAveraging
@@ -181,16 +181,9 @@ def _data(n: int = 64) -> TensorDataset:
 
 
 def _fit(model: Net, callbacks: list[Callback], batch_size: int, **kwargs: Any) -> pl.Trainer:
-    settings: dict[str, Any] = {"max_steps": 2, "logger": False, "enable_checkpointing": False}
+    settings: dict[str, Any] = {"max_steps": 2, "callbacks": callbacks}
     settings.update(kwargs)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **settings,
-    )
+    trainer = quiet_trainer("auto", 1, **settings)  # a CPU Trainer, also on a machine with a GPU
     trainer.fit(model, DataLoader(_data(), batch_size=batch_size))
     return trainer
 
@@ -237,16 +230,9 @@ def test_a_resume_on_another_scale_rescales_from_the_reference_without_compoundi
     saved = torch.load(path, weights_only=False)["optimizer_states"][0]["param_groups"][0]
     assert saved[REFERENCE_KEY] == {"betas": (0.9, 0.999), "eps": 1e-8}  # the reference travels with the checkpoint
     resumed = Net("adam")
-    pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ScaleInvariance("adam_sde", reference_batch_size=8)],
-    ).fit(resumed, DataLoader(_data(), batch_size=16), ckpt_path=path)
+    quiet_trainer("auto", 1, max_epochs=2, callbacks=[ScaleInvariance("adam_sde", reference_batch_size=8)]).fit(
+        resumed, DataLoader(_data(), batch_size=16), ckpt_path=path
+    )
     seen = resumed.seen[0]  # kappa 2 now, from the reference: not 4 x 2
     assert seen["lr"] == pytest.approx(0.01 * math.sqrt(2))
     assert seen["betas"] == pytest.approx((0.8, 0.998))
