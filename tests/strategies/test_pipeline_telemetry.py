@@ -28,24 +28,39 @@ class _Sleep(torch.autograd.Function):
     """A stand-in for a GPU kernel: the time passes without taking one of the machine's few cores."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        time.sleep(seconds)
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(2 * ctx.seconds)
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
 
 
 class _SleepyLayer(nn.Module):
+    """Forward ``FORWARD_S``, backward twice that, all of it on the activations' path."""
+
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(self.linear(x), FORWARD_S)  # type: ignore[no-any-return]
+        return _Sleep.apply(self.linear(x), FORWARD_S, 2 * FORWARD_S)  # type: ignore[no-any-return]
+
+
+class _SplitLayer(nn.Module):
+    """``x @ W``: forward ``FORWARD_S``; backward ``FORWARD_S`` for the input's gradient and as much for the weight's,
+    which the zero-bubble schedules defer into the bubble."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(4) + 0.01 * torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = FORWARD_S / 2
+        return _Sleep.apply(x, half, FORWARD_S) @ _Sleep.apply(self.weight, half, FORWARD_S)  # type: ignore[no-any-return]
 
 
 class _Regressor(pl.LightningModule):
@@ -72,11 +87,14 @@ class _Metrics(Callback):
         self.steps.append({name: float(value) for name, value in trainer.callback_metrics.items()})
 
 
-def _bubble_rank(rank: int, world_size: int, schedules: list[str]) -> dict[str, list[dict[str, float]]]:
+def _bubble_rank(
+    rank: int, world_size: int, schedules: list[str], split: bool = False
+) -> dict[str, list[dict[str, float]]]:
     results = {}
     for schedule in schedules:
         torch.manual_seed(0)
-        model = _Regressor(nn.Sequential(_SleepyLayer(), _SleepyLayer()))
+        layers = [_SplitLayer() for _ in range(4)] if split else [_SleepyLayer(), _SleepyLayer()]
+        model = _Regressor(nn.Sequential(*layers))
         metrics = _Metrics()
         trainer = quiet_trainer(
             PipelineStrategy(schedule=schedule, chunks=4), world_size, max_steps=4, callbacks=[metrics]
@@ -100,6 +118,22 @@ def test_the_measured_bubble_is_the_schedules_formula_when_stages_are_equal() ->
             # The first step builds the stages' buffers; the median of the rest, within 3 points of the formula.
             measured = statistics.median(step[f"pipeline/bubble_rank{rank}"] for step in steps[1:])
             assert measured == pytest.approx(theory, abs=0.03), (schedule, rank, steps)
+
+
+@pytest.mark.skipif(
+    not (SCHEDULES["1F1B"].available() and SCHEDULES["ZBVZeroBubble"].available()),
+    reason="1F1B runs under strategy='pipeline' from torch 2.8, ZBVZeroBubble from 2.13",
+)
+def test_a_zero_bubble_schedule_measures_a_smaller_bubble_than_1f1b() -> None:
+    # The same 4 layers on 2 ranks, each layer's backward half input gradient, half weight gradient: 1F1B runs both
+    # halves together, ZBVZeroBubble (two stages per rank, V-shaped) moves weight gradients into the bubble.
+    results = run_distributed(_bubble_rank, 2, ["1F1B", "ZBVZeroBubble"], True, timeout_s=300)
+    measured = {
+        name: statistics.median(step["pipeline/bubble"] for step in results[0][name][1:])
+        for name in ("1F1B", "ZBVZeroBubble")
+    }
+    assert measured["ZBVZeroBubble"] < measured["1F1B"] - 0.03, measured
+    assert "pipeline/bubble_theory" not in results[0]["ZBVZeroBubble"][-1]  # no formula for zero-bubble schedules
 
 
 class _SavedBytes(Callback):
