@@ -138,7 +138,8 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         log_bubble: log each step's measured bubble: ``pipeline/bubble`` (progress bar; the mean over the pipeline's
             ranks of the fraction of the step each rank's stages sat idle, in ``[0, 1]``), ``pipeline/bubble_rank{r}``
             and ``pipeline/bubble_theory``, the schedule's ``(p - 1) / (v * m + p - 1)`` (not for zero-bubble
-            schedules). On CUDA the stages are timed with events, and each step waits for its last kernel once.
+            schedules). On CUDA the stages are timed with events, and each step waits twice for the device: for its
+            last kernel before the pipeline's all_reduce, and for that all_reduce (the end of the step).
         **kwargs: what :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``process_group_backend``,
             ``timeout``, ``start_method``, ...).
 
@@ -372,10 +373,6 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
         return model  # the schedule does the stages' communication; gradients are averaged over `dp` explicitly
 
-    @property
-    def _last_owner(self) -> int:
-        return self._owners[-1]
-
     def _own_parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
         for stage in self._stages.values():
@@ -483,6 +480,8 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         the step and on the next scale.
         """
         unscale = scaler.unscale_
+        if getattr(unscale, "_shares_found_inf", False):
+            return  # already wrapped by an earlier setup with the same precision plugin (a second fit)
 
         def unscale_(optimizer: Optimizer) -> None:
             unscale(optimizer)
@@ -494,6 +493,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
             for value in found.values():
                 value.copy_(any_found)
 
+        unscale_._shares_found_inf = True  # type: ignore[attr-defined]
         scaler.unscale_ = unscale_
 
     def _schedule_for(self, x: Tensor) -> Any:
