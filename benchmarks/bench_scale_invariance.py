@@ -14,8 +14,11 @@ Rank 0 measures the loss on the whole validation split at 8 checkpoints, every 5
 for ``--seeds`` seeds (the seed sets the initial weights and the data order). A curve is *inside the band* when, at
 every checkpoint, its mean over the seeds lies within 2 standard deviations (over the seeds) of the 1-process curve's
 mean. The anchor is the 1-process run of the same script. Ends with ``adam_sde_ema_inside=`` and ``sqrt_inside=``
-(the world sizes whose curve lies inside the band) and ``worst_z_adam_sde_ema=`` (the largest distance from the
-1-process mean, in its standard deviations). ``--plot`` saves loss against samples, one line per world size, one panel
+(the world sizes whose curve lies inside the band), ``worst_z_adam_sde_ema=`` (the largest distance from the
+1-process mean, in its standard deviations) and ``max_noise_scale=``: the gradient noise scale ``B_simple`` of the
+1-process runs, measured at each checkpoint (:func:`gradient_noise_scale`). The SDE rule assumes batches well below it
+(noise-dominated steps); where the effective batch (64, 128) is not, the larger-batch runs lag in samples.
+``--plot`` saves loss against samples, one line per world size, one panel
 per policy (needs matplotlib); ``--json`` writes the curves.
 
 Usage: ``python benchmarks/bench_scale_invariance.py [--seeds 5] [--world-sizes 1 2 4] [--plot curves.png]``
@@ -89,13 +92,39 @@ class Digits(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr, betas=(0.9, 0.999), eps=1e-8)
 
 
-class ValidationCurve(pl.Callback):
-    """On rank 0, the loss on the whole validation set every ``every_steps`` optimizer steps."""
+def gradient_noise_scale(net: nn.Module, train: TensorDataset) -> float:
+    """``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training").
 
-    def __init__(self, val: TensorDataset, every_steps: int) -> None:
+    ``G`` is the mean of the gradients of the training set's batches of ``PER_DEVICE_BATCH`` (in order, BatchNorm in
+    training mode on each, as in a step), and ``tr(Sigma) / PER_DEVICE_BATCH`` their mean squared distance from it. A
+    batch much smaller than ``B_simple`` is noise-dominated, the regime where the SDE rule holds (Malladi et al.,
+    Section 5); a batch near or above it is not. Measured on a copy, so training is untouched.
+    """
+    import copy
+
+    probe = copy.deepcopy(net).train()
+    x, y = train.tensors
+    grads = []
+    for start in range(0, len(y) - PER_DEVICE_BATCH + 1, PER_DEVICE_BATCH):
+        probe.zero_grad()
+        F.cross_entropy(probe(x[start : start + PER_DEVICE_BATCH]), y[start : start + PER_DEVICE_BATCH]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in probe.parameters() if p.grad is not None]))
+    stacked = torch.stack(grads)
+    mean = stacked.mean(0)
+    spread = (stacked - mean).pow(2).sum(1).mean().item() * len(grads) / (len(grads) - 1)
+    return PER_DEVICE_BATCH * spread / mean.pow(2).sum().item()
+
+
+class ValidationCurve(pl.Callback):
+    """On rank 0, the loss on the whole validation set every ``every_steps`` optimizer steps, and on 1 process the
+    gradient noise scale there (:func:`gradient_noise_scale`)."""
+
+    def __init__(self, val: TensorDataset, every_steps: int, train: TensorDataset | None = None) -> None:
         self.x, self.y = val.tensors
         self.every_steps = every_steps
+        self.train = train
         self.losses: list[float] = []
+        self.noise_scales: list[float] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step % self.every_steps or not trainer.is_global_zero:
@@ -105,6 +134,8 @@ class ValidationCurve(pl.Callback):
         with torch.no_grad():
             self.losses.append(F.cross_entropy(net(self.x), self.y).item())
         net.train()
+        if self.train is not None:
+            self.noise_scales.append(gradient_noise_scale(net, self.train))
 
 
 def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: int, queue: Any) -> None:
@@ -116,11 +147,12 @@ def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: i
     train, val = digits()
     steps_per_checkpoint = every // (PER_DEVICE_BATCH * world_size)
     curves: dict[str, list[list[float]]] = {name: [] for name in POLICIES}
+    noise_scales: list[list[float]] = []
     for name, policy in POLICIES.items():
         for seed in range(seeds):
             pl.seed_everything(seed, verbose=False)
             model = Digits(lr)
-            curve = ValidationCurve(val, steps_per_checkpoint)
+            curve = ValidationCurve(val, steps_per_checkpoint, train if world_size == 1 else None)
             trainer = pl.Trainer(
                 accelerator="cpu",
                 devices=world_size,
@@ -139,13 +171,16 @@ def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: i
             loader = DataLoader(train, batch_size=PER_DEVICE_BATCH, shuffle=True, drop_last=True)
             trainer.fit(model, loader)
             curves[name].append(curve.losses)
+            if curve.noise_scales:
+                noise_scales.append(curve.noise_scales)
     if rank == 0:
-        queue.put(curves)
+        queue.put((curves, noise_scales))
     dist.destroy_process_group()
 
 
-def run(world_size: int, seeds: int, lr: float, every: int) -> dict[str, list[list[float]]]:
-    """Each policy's curves (one per seed, ``CHECKPOINTS`` losses each) on ``world_size`` spawned processes."""
+def run(world_size: int, seeds: int, lr: float, every: int) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
+    """Each policy's curves (one per seed, ``CHECKPOINTS`` losses each) on ``world_size`` spawned processes, and on
+    one process the gradient noise scale at each checkpoint (one list per run)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -186,12 +221,16 @@ def main() -> None:
     every = args.checkpoint_samples
     if every % (PER_DEVICE_BATCH * max(args.world_sizes)):
         parser.error(f"--checkpoint-samples must be a multiple of {PER_DEVICE_BATCH} x the largest world size")
-    results = {world_size: run(world_size, args.seeds, args.lr, every) for world_size in args.world_sizes}
+    runs = {world_size: run(world_size, args.seeds, args.lr, every) for world_size in args.world_sizes}
+    results = {world_size: curves for world_size, (curves, _) in runs.items()}
+    noise = runs[1][1]
     samples = [every * (i + 1) for i in range(CHECKPOINTS)]
     print(
         f"validation loss at {samples[0]}..{samples[-1]} samples, mean over {args.seeds} seeds, lr {args.lr}"
         f" (torch {torch.__version__})"
     )
+    scales = [statistics.fmean(run[i] for run in noise) for i in range(CHECKPOINTS)]
+    print(f"{'B_simple':>13} w=1  " + " ".join(f"{value:6.1f}" for value in scales) + "  (gradient noise scale)")
     inside: dict[str, list[int]] = {}
     worst: dict[str, float] = {}
     for name in POLICIES:
@@ -214,10 +253,13 @@ def main() -> None:
     print(
         f"adam_sde_ema_inside={inside['adam_sde+ema']} sqrt_inside={inside['sqrt']}"
         f" worst_z_adam_sde_ema={worst['adam_sde+ema']:.2f} worst_z_sqrt={worst['sqrt']:.2f}"
+        f" max_noise_scale={max(scales):.1f}"
     )
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"samples": samples, "curves": {str(w): c for w, c in results.items()}}, file)
+            json.dump(
+                {"samples": samples, "curves": {str(w): c for w, c in results.items()}, "noise_scale": noise}, file
+            )
     if args.plot:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -4,8 +4,6 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 ``Trainer(strategy="ddp_lr_linear")``, ``Trainer(strategy="gpipe")`` and ``Trainer(strategy="pipeline")`` work.
 """
 
-# _import_origin first: it records who imports the package (lightning_balanced.callbacks.callbacks reads it).
-from lightning_balanced import _import_origin, _moved_modules  # noqa: F401
 from lightning_balanced.data_parallel import (
     AutoSplit,
     ChunkSizes,
@@ -30,7 +28,6 @@ from lightning_balanced.strategies.registration import register_strategies
 __version__ = "0.1.0.dev0"
 
 register_strategies()
-_moved_modules.install()
 
 __all__ = [
     "AutoSplit",

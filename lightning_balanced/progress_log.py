@@ -12,7 +12,18 @@ import sys
 
 from lightning.pytorch.utilities import rank_zero_info
 
-__all__ = ["rank_zero_report"]
+__all__ = ["counted", "rank_zero_report"]
+
+
+def counted(number: int, noun: str, plural: str | None = None) -> str:
+    """``"1 sample"``, ``"3 samples"``, ``"2 micro-batches"``: a count and its noun in the right number.
+
+    Args:
+        number: the count.
+        noun: the singular.
+        plural: the plural, when it is not ``noun + "s"``.
+    """
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
 def rank_zero_report(message: str) -> None:

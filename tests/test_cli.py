@@ -263,7 +263,7 @@ EXPECTED_OUTPUT = {
     ],
     "digits_ddp_lr_sqrt.yaml": ["lr scaling (sqrt): factor 1.41421 from world_size 2", "final: val_acc="],
     "pipeline_digits.yaml": [
-        "pipeline: schedule 1F1B, 8 micro-batches, 4 stages over 4 ranks x 1 data-parallel replicas",
+        "pipeline: schedule 1F1B, 8 micro-batches, 4 stages over 4 ranks x 1 data-parallel replica",
         "final: val_acc=",
     ],
     "detection_ddp_lr_linear.yaml": [

@@ -24,18 +24,16 @@ LAYERS: list[list[str]] = [
     ["lightning_balanced.cli"],
     [
         "lightning_balanced.entry_points",
-        "lightning_balanced.callbacks",
         "lightning_balanced.scale_invariance",
-        "lightning_balanced._moved_modules",
     ],
     ["lightning_balanced.strategies"],
+    ["lightning_balanced.callbacks"],
     ["lightning_balanced.pipeline"],
     ["lightning_balanced.data_parallel"],
     ["lightning_balanced.nn", "lightning_balanced.evaluation", "lightning_balanced.lr_scaling"],
     [
         "lightning_balanced.ops",
         "lightning_balanced.arguments",
-        "lightning_balanced._import_origin",
         "lightning_balanced.progress_log",
     ],
 ]

@@ -30,16 +30,15 @@ exchange; here count-weighted and combined from centered moments.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_balanced.data_parallel.barrier import DEFAULT_TIMEOUT_S, ReplicaAborted, ReplicaBarrier
+from lightning_balanced.data_parallel.barrier import ReplicaBarrier
 from lightning_balanced.data_parallel.stream_order import Ready, ready, use_on_current_stream
 from lightning_balanced.nn.conversion import convert_batchnorm, revert_batchnorm
 from lightning_balanced.nn.moments import (
@@ -385,37 +384,3 @@ class SyncBatchNormLayers:
                 return None
             copies.append(module)
         return copies
-
-
-class _SyncBatchNormStep(ReplicaBarrier):
-    """Deprecated ``SyncBatchNormStep(chunk_sizes, timeout)``: ``ReplicaBarrier(len(chunk_sizes), timeout)``."""
-
-    def __init__(self, chunk_sizes: Sequence[int], timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        sizes = list(chunk_sizes)
-        if not sizes or any(int(s) != s or s < 0 for s in sizes):
-            raise ValueError(f"`chunk_sizes` must be a non-empty sequence of integers >= 0, got {chunk_sizes!r}")
-        super().__init__(len(sizes), timeout)
-        self.chunk_sizes = [int(s) for s in sizes]
-
-
-# Old name -> (the object it now is, what to use instead). Removed in 0.3, with the 0.1 module paths.
-_DEPRECATED: dict[str, tuple[Any, str]] = {
-    "SyncBatchNormAborted": (ReplicaAborted, "lightning_balanced.data_parallel.barrier.ReplicaAborted"),
-    "SyncBatchNormStep": (
-        _SyncBatchNormStep,
-        "lightning_balanced.data_parallel.barrier.ReplicaBarrier(len(chunk_sizes))",
-    ),
-}
-
-if not TYPE_CHECKING:  # type checkers flag the old names instead
-
-    def __getattr__(name: str) -> Any:
-        if name not in _DEPRECATED:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value, instead = _DEPRECATED[name]
-        warnings.warn(
-            f"`{__name__}.{name}` is deprecated, use `{instead}`; the old name works until lightning_balanced 0.3",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return value

@@ -7,7 +7,6 @@ and :class:`Weights`, or a policy of your own: one subclass of :class:`SplitPoli
 from __future__ import annotations
 
 import math
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -249,22 +248,6 @@ _SHORTHANDS: dict[str, Any] = {"gpu0_bsz": Gpu0Budget, "chunk_sizes": ChunkSizes
 #: Policies named by a string in ``chunk_sizes`` (``chunk_sizes="auto"``), each registered by the module that defines
 #: it (``auto_split`` registers ``"auto"``; the package ``__init__`` imports it), so this module imports none of them.
 NAMED_POLICIES: dict[str, Callable[[], SplitPolicy]] = {}
-
-
-#: The policies' former names, kept (with a ``DeprecationWarning``) until 0.3: old name -> the class.
-_DEPRECATED_NAMES: dict[str, type[SplitPolicy]] = {"ExplicitChunkSizes": ChunkSizes, "WeightedSplit": Weights}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _DEPRECATED_NAMES:
-        new = _DEPRECATED_NAMES[name]
-        warnings.warn(
-            f"`{__name__}.{name}` is deprecated and will be removed in 0.3: use `{new.__name__}` (the same class)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return new
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def split_policy(

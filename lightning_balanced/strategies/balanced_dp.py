@@ -51,7 +51,7 @@ from lightning_balanced.data_parallel.replicate import parameter_copies
 from lightning_balanced.data_parallel.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.data_parallel.virtual_device import emulated_device, emulated_step
 from lightning_balanced.evaluation.mixin import REPLICA_POSITION
-from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.progress_log import counted, rank_zero_report
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 _REPORT_MEMORY_AFTER_STEPS = 3
@@ -59,11 +59,6 @@ _REPORT_MEMORY_AFTER_STEPS = 3
 _REPLICA_TIMEOUT_S = 120.0
 # The start of the message of torch.nn.functional._verify_batch_size: a training BatchNorm saw one value per channel.
 _BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when training"
-
-
-def _count(number: int, noun: str) -> str:
-    """``"1 sample"``, ``"3 samples"``."""
-    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 class _ReplicaProfile:
@@ -471,13 +466,13 @@ class BalancedDataParallel(SingleProcess):
         self._plan_reported = True
         assert self.parallel_devices is not None
         lines = [
-            f"balanced_dp: a batch of {_count(batch_size, 'sample')} is split over {_count(len(planned), 'device')}"
+            f"balanced_dp: a batch of {counted(batch_size, 'sample')} is split over {counted(len(planned), 'device')}"
             f" as {planned}"
         ]
         for index, (device, size) in enumerate(zip(self._devices, planned, strict=True)):
             share = 100.0 * size / batch_size if batch_size else 0.0
             left_out = "" if size else ", left out"
-            lines.append(f"  device {index} ({device}): {_count(size, 'sample')} ({share:.1f}%){left_out}")
+            lines.append(f"  device {index} ({device}): {counted(size, 'sample')} ({share:.1f}%){left_out}")
         rank_zero_report("\n".join(lines))
 
     def _report_memory(self) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
@@ -25,10 +26,10 @@ from lightning_balanced.lr_scaling import (
     validate_policy,
     warmup_multiplier,
 )
-from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm as _DeviceSyncBatchNorm  # the old name warns
+from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
 from lightning_balanced.progress_log import rank_zero_report
 from lightning_balanced.strategies.process_group import end_process_group
-from lightning_balanced.strategies.registration import RegisteredStrategy, RegistryName
+from lightning_balanced.strategies.registration import RegisteredStrategy
 
 # Set on the LightningModule by a `Tuner.lr_find` run under this strategy: the learning rate it suggests was found at
 # this factor's effective batch, so the next fit treats it as already scaled by it.
@@ -63,18 +64,27 @@ class LRScaledDDP(RegisteredStrategy, _StrategyBase):
     """
 
     strategy_name = "ddp_lr"
-    #: ``ddp_lr_{linear,sqrt}`` and the ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` variants.
-    registry_names = tuple(
-        RegistryName(
-            f"{prefix}_lr_{policy}",
-            f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'",
-            {"lr_scaling": policy, "start_method": start_method},
-        )
-        for prefix, start_method in _LAUNCHES
-        for policy in ("linear", "sqrt")
-    )
+    #: A resumed factor is rescaled here (read by ``callbacks.warn_if_lr_scale_factor_unmanaged``).
+    manages_lr_scale_factor: ClassVar[bool] = True
     #: The Lightning package of the base class: where ``TorchSyncBatchNorm`` and the LR finder's callback come from.
     _lightning_package: ClassVar[str] = "lightning.pytorch"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``ddp_lr_{linear,sqrt}`` and the ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` variants.
+
+        Args:
+            strategy_registry (_StrategyRegistry): the registry to fill.
+        """
+        for prefix, start_method in _LAUNCHES:
+            for policy in ("linear", "sqrt"):
+                strategy_registry.register(
+                    f"{prefix}_lr_{policy}",
+                    cls,
+                    description=f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'",
+                    lr_scaling=policy,
+                    start_method=start_method,
+                )
 
     def __init__(
         self,
@@ -100,7 +110,7 @@ class LRScaledDDP(RegisteredStrategy, _StrategyBase):
         layer_sync = importlib.import_module(f"{self._lightning_package}.plugins.layer_sync")
         torch_sync_batchnorm = layer_sync.TorchSyncBatchNorm
         if self.sync_batchnorm and (self._layer_sync is None or isinstance(self._layer_sync, torch_sync_batchnorm)):
-            self._layer_sync = _DeviceSyncBatchNorm(lambda: self.root_device.type)
+            self._layer_sync = DeviceSyncBatchNorm(lambda: self.root_device.type)
         super().setup(trainer)
 
     def scale_factor(self, trainer: pl.Trainer) -> tuple[float, str]:

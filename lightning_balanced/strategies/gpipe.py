@@ -20,7 +20,7 @@ from lightning_balanced.data_parallel import virtual_devices
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
 from lightning_balanced.pipeline.balance import BALANCE_CHOICES, BalanceChoice, choose_balance, even_balance
 from lightning_balanced.pipeline.pipe import validate_balance, validate_checkpoint, validate_chunks
-from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.progress_log import counted, rank_zero_report
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
@@ -273,8 +273,8 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         if self.balance is None:
             method = "even by layer count"
         lines = [
-            f"gpipe: balance {pipe.balance} ({method}) over {len(pipe.balance)} partitions, chunks={pipe.chunks},"
-            f" checkpoint={self.checkpoint!r}"
+            f"gpipe: balance {pipe.balance} ({method}) over {counted(len(pipe.balance), 'partition')},"
+            f" chunks={pipe.chunks}, checkpoint={self.checkpoint!r}"
         ]
         for j, partition in enumerate(pipe.partitions):
             first, last = partition.layers[0][0], partition.layers[-1][0]

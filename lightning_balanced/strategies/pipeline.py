@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int, check_module_name
+from lightning_balanced.callbacks import warn_if_lr_scale_factor_unmanaged
 from lightning_balanced.pipeline.balance import even_balance
 from lightning_balanced.pipeline.bubble import BusyTimer, bubble
 from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_forward
@@ -32,7 +34,8 @@ from lightning_balanced.pipeline.stage_plan import (
     stage_indices,
     stage_owners,
 )
-from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.pipeline.stop_notices import StopNotices
+from lightning_balanced.progress_log import counted, rank_zero_report
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
@@ -193,6 +196,7 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         self.log_bubble = check_bool("log_bubble", log_bubble)
         self._timer: BusyTimer | None = None
         self._pp_group: dist.ProcessGroup | None = None
+        self._stop_notices: StopNotices | None = None
         self._dp_group: dist.ProcessGroup | None = None
         self._pipelined: _PipelinedSequential | None = None
         self._stages: dict[int, nn.Module] = {}
@@ -231,6 +235,8 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
+        self._stop_notices = StopNotices.of_default_group()
+        self._stop_notices.record_process()
         p = self.pipeline_size
         if self.world_size % p:
             raise ValueError(
@@ -344,8 +350,9 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
 
     def _report(self) -> None:
         lines = [
-            f"pipeline: schedule {self.schedule.name}, {self.chunks} micro-batches, {len(self._balance)} stages over"
-            f" {self.pipeline_size} ranks x {self.data_parallel_size} data-parallel replicas"
+            f"pipeline: schedule {self.schedule.name}, {counted(self.chunks, 'micro-batch', 'micro-batches')},"
+            f" {counted(len(self._balance), 'stage')} over {counted(self.pipeline_size, 'rank')} x"
+            f" {counted(self.data_parallel_size, 'data-parallel replica')}"
         ]
         start = 0
         for stage, size in enumerate(self._balance):
@@ -557,26 +564,33 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
 
     @contextmanager
     def _naming_a_lost_peer(self, what: str) -> Iterator[None]:
-        """A broken connection to another rank of the pipeline, reported as what it is: that rank stopped.
+        """A broken connection to another rank, reported as what it is: that rank stopped, named with its reason.
 
         When a rank fails (an error in its stage, or killed), the ranks exchanging with it get a transport error from
-        the backend (gloo: ``Connection closed by peer``) instead of waiting out the process group's timeout.
+        the backend (gloo: ``Connection closed by peer``) instead of waiting out the process group's timeout. Each
+        rank leaves its reason in the store (:class:`~lightning_balanced.pipeline.stop_notices.StopNotices`) before
+        its error leaves the step, so the rank that stopped first is named.
         """
         try:
             yield
-        except RuntimeError as error:
+        except Exception as error:
             text = str(error)
-            lost = isinstance(error, getattr(dist, "DistBackendError", ())) or any(
-                sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+            lost = isinstance(error, RuntimeError) and (
+                isinstance(error, getattr(dist, "DistBackendError", ()))
+                or any(
+                    sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+                )
             )
+            notices = self._stop_notices
+            if notices is not None:
+                notices.report(error, lost=lost)
             if not lost:
                 raise
-            assert self._pp_group is not None
-            ranks = dist.get_process_group_ranks(self._pp_group)
+            cause = "another rank stopped" if notices is None else notices.who_stopped(range(self.world_size))
             raise RuntimeError(
-                f"strategy='pipeline': rank {self.global_rank} lost its connection to another rank of its pipeline"
-                f" (ranks {ranks}) in {what}: that rank stopped; its own error, reported by that process, is the"
-                f" cause. The backend said: {text.splitlines()[0] if text else type(error).__name__}"
+                f"strategy='pipeline': rank {self.global_rank} lost its connection to another rank in {what}: {cause}"
+                f" (its traceback is in that process's output). The backend said:"
+                f" {text.splitlines()[0] if text else type(error).__name__}"
             ) from error
 
     # ---- gradient clipping -----------------------------------------------------------------------------------------
@@ -632,6 +646,18 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         for part in gathered:
             merged.update(part or {})
         return {**state, "state": merged}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The checkpoint, with a warning when its learning rates carry an LR-scaling factor left unmanaged here.
+
+        ``*args``/``**kwargs`` pass on what the installed Lightning's ``Strategy.load_checkpoint`` takes
+        (``weights_only`` from Lightning 2.6).
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        assert self.lightning_module is not None
+        warn_if_lr_scale_factor_unmanaged(self.lightning_module.trainer, checkpoint)
+        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.strategies.registry import _StrategyRegistry
+
 from lightning_balanced.strategies.ddp_lr import LRScaledDDP
 from lightning_balanced.strategies.pipeline import PipelineStrategy
-from lightning_balanced.strategies.registration import RegistryName
 
 __all__ = ["LRScaledPipelineStrategy"]
 
@@ -34,14 +35,21 @@ class LRScaledPipelineStrategy(LRScaledDDP, PipelineStrategy):
     """
 
     strategy_name = "pipeline_lr"
-    registry_names = tuple(
-        RegistryName(
-            f"pipeline_lr_{policy}",
-            f"pipeline parallelism with {policy} learning-rate scaling in its data-parallel size",
-            {"lr_scaling": policy},
-        )
-        for policy in ("linear", "sqrt")
-    )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``pipeline_lr_linear`` and ``pipeline_lr_sqrt``.
+
+        Args:
+            strategy_registry (_StrategyRegistry): the registry to fill.
+        """
+        for policy in ("linear", "sqrt"):
+            strategy_registry.register(
+                f"pipeline_lr_{policy}",
+                cls,
+                description=f"pipeline parallelism with {policy} learning-rate scaling in its data-parallel size",
+                lr_scaling=policy,
+            )
 
     def __init__(
         self,

@@ -27,20 +27,17 @@ import pytorch_lightning.strategies  # noqa: F401  (this module is for pytorch_l
 from lightning_balanced.strategies.registration import pytorch_lightning_variant, strategy_classes
 
 
-def _variants() -> dict[str, type | None]:
-    return {strategy.__name__: pytorch_lightning_variant(strategy) for strategy in strategy_classes()}
-
-
 def __getattr__(name: str) -> Any:
-    if name.startswith("__") and name.endswith("__") and name != "__all__":
+    if name.startswith("__") and name != "__all__":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    variants = _variants()
+    variants = {strategy.__name__: pytorch_lightning_variant(strategy) for strategy in strategy_classes()}
+    present = {n: variant for n, variant in variants.items() if variant is not None}
     if name == "STRATEGIES":
-        return tuple(variant for variant in variants.values() if variant is not None)
+        return tuple(present.values())
     if name == "__all__":
-        return ["STRATEGIES", *(n for n, variant in variants.items() if variant is not None)]
-    if variants.get(name) is not None:
-        return variants[name]
+        return ["STRATEGIES", *present]
+    if name in present:
+        return present[name]
     if name in variants:
         raise AttributeError(
             f"{name} has no pytorch_lightning variant: its class is not a base-free implementation joined to a"

@@ -9,9 +9,11 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_balanced.callbacks import warn_if_lr_scale_factor_unmanaged
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
 if TYPE_CHECKING:
+    from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies import ParallelStrategy
 
     _StrategyBase = ParallelStrategy
@@ -147,3 +149,15 @@ class SingleProcess(RegisteredStrategy, _StrategyBase):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Identity: there is one process."""
         return decision
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The checkpoint, with a warning when its learning rates carry an LR-scaling factor left unmanaged here.
+
+        ``*args``/``**kwargs`` pass on what the installed Lightning's ``Strategy.load_checkpoint`` takes
+        (``weights_only`` from Lightning 2.6).
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        assert self.lightning_module is not None
+        warn_if_lr_scale_factor_unmanaged(self.lightning_module.trainer, checkpoint)
+        return checkpoint

@@ -360,34 +360,6 @@ def test_attach_checks_its_arguments() -> None:
         attach_step(replicate(model, [_CPU]), ReplicaBarrier(2, timeout=30))
 
 
-def test_the_old_step_and_abort_names_still_work_and_warn() -> None:
-    # 0.1's SyncBatchNormStep(chunk_sizes) is the step's barrier; SyncBatchNormAborted is the barrier's abort error.
-    with pytest.deprecated_call(match=r"replica_batchnorm\.SyncBatchNormStep` is deprecated, use .*ReplicaBarrier"):
-        from lightning_balanced.data_parallel.replica_batchnorm import SyncBatchNormStep
-    with pytest.deprecated_call(match=r"replica_batchnorm\.SyncBatchNormAborted` is deprecated, use .*ReplicaAborted"):
-        from lightning_balanced.data_parallel.replica_batchnorm import SyncBatchNormAborted
-    assert SyncBatchNormAborted is ReplicaAborted
-    with pytest.raises(ValueError, match="`chunk_sizes`"):
-        SyncBatchNormStep([])
-    with pytest.raises(ValueError, match="`chunk_sizes`"):
-        SyncBatchNormStep([2, -1])
-    with pytest.raises(ValueError, match="`timeout`"):
-        SyncBatchNormStep([2], timeout=0)
-    step = SyncBatchNormStep([2, 3], timeout=30)
-    assert isinstance(step, ReplicaBarrier)
-    assert (step.chunk_sizes, step.parties, step.timeout) == ([2, 3], 2, 30.0)
-    # The 0.1 protocol: attach the step, run the replicas; the result is full-batch BatchNorm.
-    bn = nn.BatchNorm1d(3, dtype=torch.float64)
-    reference = copy.deepcopy(bn)
-    replicas = replicate(convert_replica_batchnorm(nn.Sequential(bn)), [_CPU, _CPU])
-    attach_step(replicas, step)
-    x = torch.randn(5, 3, dtype=torch.float64)
-    out = parallel_apply(replicas, [(x[:2],), (x[2:],)], [{}, {}], [_CPU, _CPU])
-    torch.testing.assert_close(torch.cat(out), reference(x), **_TOL)
-    with pytest.raises(AttributeError, match="has no attribute 'SyncBatchNormNothing'"):
-        _ = sync_batchnorm_module.SyncBatchNormNothing
-
-
 def test_layers_found_once_reach_every_replica_through_changes_of_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
     # Counted: searches of the replicas' trees (attach_step) and walks of the model's tree (finding the layers).
     searches: list[int] = []

@@ -314,17 +314,6 @@ def test_policies_are_exported_where_the_other_public_names_are() -> None:
     assert "even_split" in lightning_balanced.data_parallel.__all__
 
 
-@pytest.mark.parametrize(("old", "new"), [("ExplicitChunkSizes", ChunkSizes), ("WeightedSplit", Weights)])
-def test_the_former_class_names_warn_and_give_the_same_class(old: str, new: type) -> None:
-    message = (
-        f"`lightning_balanced.data_parallel.split_policy.{old}` is deprecated and will be removed in 0.3: use"
-        f" `{new.__name__}` (the same class)"
-    )
-    with pytest.warns(DeprecationWarning, match=f"^{re.escape(message)}$"):
-        assert getattr(split_policy_module, old) is new
-    assert old not in split_policy_module.__all__
-
-
 def test_an_unknown_name_of_the_module_is_still_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
         split_policy_module.Nothing  # noqa: B018

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
@@ -47,18 +45,5 @@ def test_torchs_syncbatchnorm_on_cuda_is_reverted_to_the_users_layers_too() -> N
     assert reverted[1] is user_layers[0] and reverted[2][0] is user_layers[1]
 
 
-def test_the_old_path_in_ddp_lr_warns_and_gives_the_same_class() -> None:
-    import lightning_balanced.strategies.ddp_lr as ddp_lr
-
+def test_the_nn_package_exports_the_layer_sync() -> None:
     assert exported is DeviceSyncBatchNorm
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from lightning_balanced.strategies.ddp_lr import DeviceSyncBatchNorm as old
-    assert old is DeviceSyncBatchNorm
-    messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
-    assert messages == [
-        "`lightning_balanced.strategies.ddp_lr.DeviceSyncBatchNorm` moved to"
-        " `lightning_balanced.nn.layer_sync.DeviceSyncBatchNorm`; the old path works until lightning_balanced 0.3"
-    ]
-    assert [w.filename for w in caught] == [__file__]  # names the importing line
-    assert not hasattr(ddp_lr, "NoSuchName")

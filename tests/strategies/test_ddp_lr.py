@@ -22,7 +22,6 @@ import lightning_balanced
 from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.callbacks import LRScaleFactorCheck, LRScaleFactorWarning
 from tests.distributed import run_distributed
-from tests.fake_distribution import write_distribution
 from tests.helpers import quiet_trainer, whole_message
 
 # float64 models: the only difference between 2 ranks and one process on the concatenated batch is the summation
@@ -242,23 +241,13 @@ class UnscaledOnResume(Net):
             lightning_balanced.unscale_learning_rates(optimizer, schedulers)
 
 
-@pytest.fixture
-def installed_callbacks_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """This package's ``lightning.pytorch.callbacks_factory`` entry point, as pyproject.toml declares it.
-
-    The test environment may hold an older install of the package; a distribution of the same name earlier on
-    ``sys.path`` shadows it, so Lightning sees exactly this entry point.
-    """
-    group = {"lightning.pytorch.callbacks_factory": {"lightning_balanced": "lightning_balanced.callbacks:callbacks"}}
-    monkeypatch.syspath_prepend(str(write_distribution(tmp_path / "site", "lightning_balanced", group)))
-
-
 # Resumed in this process at 4 samples per step (balanced_dp splits them [2, 2]) up to step 6: steps 4 and 5 run.
 # Unmanaged, they use the checkpoint's learning rates, 2x the base schedule; after unscaling, the base schedule itself,
 # computed by a single process without any scaling (_unscaled_lrs_used). 1e-12: the same float operations in the same
 # order, up to the factor's exact power-of-two multiplication.
-@pytest.mark.parametrize("strategy", ["single_device", "balanced_dp"])
-@pytest.mark.usefixtures("installed_callbacks_factory")
+# Under balanced_dp the strategy checks; under Lightning's single-device strategy the explicit LRScaleFactorCheck does
+# (added under balanced_dp too, it stays quiet: one warning, not two).
+@pytest.mark.parametrize("strategy", ["single_device", "balanced_dp", "balanced_dp+callback"])
 def test_resume_under_a_strategy_that_ignores_the_factor_warns_once_and_can_be_undone(
     strategy: str, two_rank_resume: tuple[list[dict[str, Any]], Path]
 ) -> None:
@@ -268,12 +257,13 @@ def test_resume_under_a_strategy_that_ignores_the_factor_warns_once_and_can_be_u
         (Net("onecycle"), [[2 * lr for lr in lrs] for lrs in base]),
         (UnscaledOnResume("onecycle"), base),
     ):
+        balanced = strategy.startswith("balanced_dp")
         trainer = quiet_trainer(
-            BalancedDataParallelStrategy() if strategy == "balanced_dp" else "auto",
-            2 if strategy == "balanced_dp" else 1,
+            BalancedDataParallelStrategy() if balanced else "auto",
+            2 if balanced else 1,
             max_steps=6,
+            callbacks=[] if strategy == "balanced_dp" else [LRScaleFactorCheck()],
         )
-        assert any(isinstance(callback, LRScaleFactorCheck) for callback in trainer.callbacks)  # Lightning added it
         with pytest.warns(LRScaleFactorWarning) as warned:
             trainer.fit(model, DataLoader(_data(16), batch_size=4), ckpt_path=checkpoint)
         messages = [str(w.message) for w in warned if issubclass(w.category, LRScaleFactorWarning)]

@@ -8,6 +8,10 @@ would miss it by orders of magnitude.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +23,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+import tests.distributed
 from lightning_balanced import DistributedEvalMixin, GPipeStrategy, LRScaledPipelineStrategy, PipelineStrategy
 from lightning_balanced.pipeline.stage_plan import SCHEDULES, stage_indices, stage_owners
-from tests.distributed import lightning_sampler_seed, run_distributed
+from tests.distributed import DistributedRankError, lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 
 EXACT = {"rtol": 0, "atol": 1e-10}
@@ -392,7 +397,7 @@ class _Sum(nn.Module):
 def _tuple_stage_rank(rank: int, world_size: int) -> str:
     model = PipelinedRegressor()
     model.sequential_module = nn.Sequential(nn.Linear(5, 3), _Pair(), _Sum(), nn.Linear(3, 3)).double()
-    trainer = quiet_trainer(PipelineStrategy(schedule="GPipe", chunks=2, balance=[2, 2]), world_size, max_steps=1)
+    trainer = quiet_trainer(PipelineStrategy(schedule="GPipe", chunks=2, balance=[1, 1, 2]), world_size, max_steps=1)
     try:
         trainer.fit(model, DataLoader(_data(8), batch_size=4))
     except Exception as error:  # what each rank ends with is the result
@@ -400,15 +405,58 @@ def _tuple_stage_rank(rank: int, world_size: int) -> str:
     return "trained"
 
 
-def test_a_stage_that_returns_a_tuple_is_named_and_its_peer_does_not_hang() -> None:
-    first, second = run_distributed(_tuple_stage_rank, 2, timeout_s=120)
-    assert first == (
-        "TypeError: pipeline stage 0 returned tuple; the stages of strategy='pipeline' pass one tensor to the next"
+def test_a_stage_that_returns_a_tuple_is_named_and_its_peers_name_its_rank() -> None:
+    first, second, third = run_distributed(_tuple_stage_rank, 3, timeout_s=120)
+    assert second == (
+        "TypeError: pipeline stage 1 returned tuple; the stages of strategy='pipeline' pass one tensor to the next"
     )
-    # Rank 1 waits for stage 0's activation; when rank 0 stops, gloo ends its wait with an error, not a hang, which
-    # the strategy names for what it is.
-    assert second.startswith(
-        "RuntimeError: strategy='pipeline': rank 1 lost its connection to another rank of its pipeline (ranks [0, 1])"
-        " in a training step: that rank stopped; its own error, reported by that process, is the cause. The backend"
-        " said: "
-    ), second
+    # Rank 0 waits for stage 1's gradients, rank 2 for its activation; when rank 1 stops, gloo ends their waits with an
+    # error, not a hang, and the strategy names the rank that stopped and its error, read from the store.
+    for rank, result in ((0, first), (2, third)):
+        assert result.startswith(
+            f"RuntimeError: strategy='pipeline': rank {rank} lost its connection to another rank in a training step:"
+            f" rank 1 stopped on {second} (its traceback is in that process's output). The backend said: "
+        ), result
+
+
+class _KilledOnArm(nn.Module):
+    """Identity until armed; then its forward kills its own process (SIGKILL: no Python code runs after it)."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+class _KilledInSecondStep(PipelinedRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequential_module.append(_KilledOnArm())
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.sequential_module[-1].armed = batch_idx == 1 and self.global_rank == 1
+
+
+def _killed_rank(rank: int, world_size: int) -> str:
+    trainer = quiet_trainer(PipelineStrategy(schedule="1F1B", chunks=2), world_size, max_steps=3)
+    trainer.fit(_KilledInSecondStep(), DataLoader(_data(24), batch_size=4))
+    return "trained"
+
+
+def test_a_killed_rank_is_named_by_the_rank_that_lost_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tests.distributed, "_ERROR_GRACE_S", 60.0)  # rank 0's error comes after rank 1's death
+    with pytest.raises(DistributedRankError) as info:
+        run_distributed(_killed_rank, 2, timeout_s=120)
+    report = str(info.value)
+    assert report.startswith("2 of 2 ranks failed:\n--- rank 0 ---\n"), report
+    assert "--- rank 1 ---\nexited without a result (exit code " in report, report  # -9, or None if read before exit
+    pid_and_host = r"\(process \d+ on host " + re.escape(socket.gethostname()) + r"\)"
+    assert re.search(
+        r"RuntimeError: strategy='pipeline': rank 0 lost its connection to another rank in a training step: rank 1 "
+        + pid_and_host
+        + r" no longer runs and reported no error: it was killed \(its traceback is in that process's output\)\."
+        r" The backend said: ",
+        report,
+    ), report

@@ -1,4 +1,4 @@
-"""One table and one method: the package's strategies come from its entry points, and register_strategies is shared."""
+"""One table: the package's strategies come from its entry points, each registering its names as Lightning's do."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -22,7 +23,6 @@ from lightning_balanced.strategies.registration import (
     DISTRIBUTION,
     ENTRY_POINT_GROUP,
     RegisteredStrategy,
-    RegistryName,
     pytorch_lightning_variant,
     register_strategies,
     strategy_classes,
@@ -36,6 +36,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def _resolve(target: str) -> Any:
     module, _, attribute = target.partition(":")
     return getattr(importlib.import_module(module), attribute)
+
+
+def _names(strategy: Any) -> dict[str, tuple[str, dict[str, Any]]]:
+    """What ``strategy.register_strategies`` registers: name -> (description, init_params)."""
+    registry = _StrategyRegistry()
+    strategy.register_strategies(registry)
+    assert {entry["strategy"] for entry in registry.values()} == {strategy}
+    return {name: (entry["description"], entry["init_params"]) for name, entry in registry.items()}
 
 
 def _installed_entries() -> dict[str, str]:
@@ -63,10 +71,7 @@ def test_the_strategies_are_the_entry_points_of_pyproject_in_order() -> None:
     assert len({c.__name__ for c in strategy_classes()}) == len(strategy_classes())
 
 
-def test_the_public_lists_are_derived_from_the_table() -> None:
-    from lightning_balanced.strategies.registration import STRATEGIES
-
-    assert STRATEGIES == registration.STRATEGIES == strategy_classes()
+def test_the_pytorch_lightning_variants_are_derived_from_the_table() -> None:
     compat = pytest.importorskip("lightning_balanced.strategies.pytorch_lightning_compat")
     from lightning_balanced.strategies.pytorch_lightning_compat import STRATEGIES as VARIANTS
 
@@ -75,26 +80,27 @@ def test_the_public_lists_are_derived_from_the_table() -> None:
     assert {"STRATEGIES", "BalancedDataParallelStrategy", "LRScaledDDPStrategy"} <= set(dir(compat))
 
 
-def test_register_strategies_is_written_once() -> None:
-    variants = []
-    if importlib.util.find_spec("pytorch_lightning") is not None:
-        variants = [v for v in map(pytorch_lightning_variant, strategy_classes()) if v is not None]
-    for strategy in (*strategy_classes(), *variants):
+def test_a_variant_registers_the_names_of_its_class() -> None:
+    pytest.importorskip("pytorch_lightning")
+    for strategy in strategy_classes():
         assert issubclass(strategy, RegisteredStrategy)
-        ours = [c for c in strategy.__mro__ if c.__module__.startswith("lightning_balanced")]
-        assert [c for c in ours if "register_strategies" in vars(c)] == [RegisteredStrategy], strategy
+        variant = pytorch_lightning_variant(strategy)
+        if variant is not None:
+            assert _names(variant) == _names(strategy)
 
 
-def test_each_class_declares_only_its_names() -> None:
-    names = {s.__name__: s.registered_names() for s in strategy_classes()}
-    (balanced,) = names["BalancedDataParallelStrategy"]
-    assert balanced == RegistryName(
-        "balanced_dp", "Single-process data parallel over several devices, each taking a chunk of the batch you choose."
-    )
-    (gpipe,) = names["GPipeStrategy"]
-    assert (gpipe.name, gpipe.init_params) == ("gpipe", {})
-    assert gpipe.description.startswith("Pipeline parallelism in one process")
-    assert [(n.name, dict(n.init_params)) for n in names["LRScaledDDPStrategy"]] == [
+def test_each_class_registers_its_names() -> None:
+    names = {s.__name__: _names(s) for s in strategy_classes()}
+    assert names["BalancedDataParallelStrategy"] == {
+        "balanced_dp": (
+            "Single-process data parallel over several devices, each taking a chunk of the batch you choose.",
+            {},
+        )
+    }
+    ((gpipe, (description, init_params)),) = names["GPipeStrategy"].items()
+    assert (gpipe, init_params) == ("gpipe", {})
+    assert description.startswith("Pipeline parallelism in one process")
+    assert [(name, params) for name, (_, params) in names["LRScaledDDPStrategy"].items()] == [
         (f"{prefix}_lr_{policy}", {"lr_scaling": policy, "start_method": start_method})
         for prefix, start_method in [
             ("ddp", "popen"),
@@ -104,34 +110,40 @@ def test_each_class_declares_only_its_names() -> None:
         ]
         for policy in ("linear", "sqrt")
     ]
-    for name in names["LRScaledDDPStrategy"]:
-        policy, start_method = name.init_params["lr_scaling"], name.init_params["start_method"]
-        assert name.description == f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'"
-        assert StrategyRegistry[name.name]["description"] == name.description
+    for name, (description, params) in names["LRScaledDDPStrategy"].items():
+        policy, start_method = params["lr_scaling"], params["start_method"]
+        assert description == f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'"
+        assert StrategyRegistry[name]["description"] == description
+    assert [(name, params) for name, (_, params) in names["LRScaledPipelineStrategy"].items()] == [
+        ("pipeline_lr_linear", {"lr_scaling": "linear"}),
+        ("pipeline_lr_sqrt", {"lr_scaling": "sqrt"}),
+    ]
 
 
 def test_a_class_without_a_docstring_is_described_by_nothing() -> None:
     class Bare(lightning_balanced.BalancedDataParallelStrategy):
         pass
 
-    assert Bare.registered_names() == (RegistryName("balanced_dp", ""),)
+    assert _names(Bare) == {"balanced_dp": ("", {})}
 
 
 # ---- a new strategy: one module and one entry
 NEW_STRATEGIES_SOURCE = '''
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from lightning_balanced.strategies.registration import RegisteredStrategy, RegistryName
+from lightning_balanced.strategies.registration import RegisteredStrategy
 
 
 class OnCPU(RegisteredStrategy):
     """The implementation, free of a Lightning base class."""
 
     strategy_name = "test_on_cpu"
-    registry_names = (
-        RegistryName("test_on_cpu", init_params={"device": "cpu"}),
-        RegistryName("test_on_cpu_too", "the same, under another name", {"device": "cpu"}),
-    )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry):
+        description = cls.__doc__.strip().splitlines()[0]
+        strategy_registry.register("test_on_cpu", cls, description=description, device="cpu")
+        strategy_registry.register("test_on_cpu_too", cls, description="the same, under another name", device="cpu")
 
 
 class OnCPUStrategy(OnCPU, SingleDeviceStrategy):
