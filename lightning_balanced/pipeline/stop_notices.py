@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,42 +72,49 @@ class StopNotices:
         with contextlib.suppress(Exception), self._short_timeout():
             self.store.set(f"{_PREFIX}reason/{self.rank}", f"{'lost' if lost else 'error'} {summary}")
 
-    def who_stopped(self, ranks: Sequence[int]) -> str:
+    def who_stopped(self, ranks: Sequence[int], wait_s: float = 3.0) -> str:
         """A sentence naming the rank among ``ranks`` that stopped first, and why, as far as the notices tell.
+
+        A killed process can still be in the process table for a moment after its connections closed, so the notices
+        and the processes are looked at again for up to ``wait_s`` seconds before giving up.
 
         Args:
             ranks: the global ranks to look at (this rank is skipped).
+            wait_s: how long to look again for a reason (seconds).
 
         Returns:
             ``"rank 2 stopped on TypeError: ..."``; ``"rank 3 (process 4711 on host h) no longer runs and reported no
             error: it was killed"``; or, when nothing is known, which ranks reported nothing.
         """
         others = [rank for rank in ranks if rank != self.rank]
-        try:
-            with self._short_timeout():
-                reasons = {rank: self._read(f"reason/{rank}") for rank in others}
-                processes = {rank: self._read(f"process/{rank}") for rank in others}
-        except Exception:  # the store is gone with its host
-            return (
-                "the process group's store no longer answers, so the process that hosts it stopped (rank 0 under"
-                " Lightning's launchers, the agent under torchrun)"
-            )
-        for rank in others:
-            reason = reasons[rank]
-            if reason is not None and reason.startswith("error "):
-                return f"rank {rank} stopped on {reason.removeprefix('error ')}"
-        silent = [rank for rank in others if reasons[rank] is None]
         host = socket.gethostname()
-        for rank in silent:
-            where = processes[rank]
-            if where is None:
-                continue
-            rank_host, _, pid = where.rpartition(" ")
-            if rank_host == host and not _runs(int(pid)):
-                return f"rank {rank} (process {pid} on host {host}) no longer runs and reported no error: it was killed"
-        if not silent:
-            return "every other rank reported a lost connection too"
-        return f"no rank reported an error of its own; ranks {silent} reported nothing (killed, or still running)"
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                with self._short_timeout():
+                    reasons = {rank: self._read(f"reason/{rank}") for rank in others}
+                    processes = {rank: self._read(f"process/{rank}") for rank in others}
+            except Exception:  # the store is gone with its host
+                return (
+                    "the process group's store no longer answers, so the process that hosts it stopped (rank 0 under"
+                    " Lightning's launchers, the agent under torchrun)"
+                )
+            for rank in others:
+                reason = reasons[rank]
+                if reason is not None and reason.startswith("error "):
+                    return f"rank {rank} stopped on {reason.removeprefix('error ')}"
+            silent = [rank for rank in others if reasons[rank] is None]
+            for rank in silent:
+                rank_host, _, pid = (processes[rank] or "").rpartition(" ")
+                if rank_host == host and pid.isdigit() and not _runs(int(pid)):
+                    return f"rank {rank} (process {pid} on host {host}) no longer runs and reported no error: it was killed"
+            if not silent:
+                return "every other rank reported a lost connection too"
+            if time.monotonic() >= deadline:
+                return (
+                    f"no rank reported an error of its own; ranks {silent} reported nothing (killed, or still running)"
+                )
+            time.sleep(0.1)
 
     def _read(self, key: str) -> str | None:
         full = _PREFIX + key
@@ -133,6 +141,6 @@ def _runs(pid: int) -> bool:
         return True
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")  # zombie, dead
     except OSError:
         return True
