@@ -283,6 +283,7 @@ def _command() -> list[str]:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+@pytest.mark.slow
 def test_every_example_config_fits_with_the_command(config: Path, tmp_path: Path) -> None:
     # A few steps, one validation pass, nothing written outside tmp_path. Run from the repository root, where the
     # configs' class paths (examples.<job>.<Class>) import from.

@@ -199,6 +199,7 @@ def _standalone_ddp_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @ON_CPU
+@pytest.mark.slow
 def test_standalone_pytorch_lightning_trains_with_its_own_variants() -> None:
     pytest.importorskip("pytorch_lightning")
     balanced = _standalone_fit("balanced_dp", 2, 8)
@@ -265,6 +266,7 @@ print("package loaded:", "lightning_balanced" in sys.modules)
 
 
 @pytest.mark.parametrize("imported", [False, True])
+@pytest.mark.slow
 def test_a_plain_trainer_gets_no_callback_and_no_log_line_from_the_installed_package(imported: bool) -> None:
     done = subprocess.run(
         [sys.executable, "-c", _PLAIN_TRAINER, "imported" if imported else "not imported"],

@@ -43,6 +43,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_a_command_past_its_limit_is_a_timeout_and_its_whole_process_group_is_killed(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild"
     code = (
@@ -181,6 +182,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(
     assert not (tmp_path / "log").exists()
 
 
+@pytest.mark.slow
 def test_each_step_is_in_the_table_and_the_last_line_names_the_steps_that_failed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

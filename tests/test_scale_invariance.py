@@ -336,6 +336,7 @@ def _ddp_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_two_processes_train_as_one_process_on_their_joint_batch() -> None:
     from torch.utils.data import DistributedSampler
 

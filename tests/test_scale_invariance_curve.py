@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_adam_sde_with_ema_keeps_four_processes_closer_to_one_than_sqrt_does(tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
     out = tmp_path / "curves.json"

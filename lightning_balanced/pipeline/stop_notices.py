@@ -107,7 +107,8 @@ class StopNotices:
             for rank in silent:
                 rank_host, _, pid = (processes[rank] or "").rpartition(" ")
                 if rank_host == host and pid.isdigit() and not _runs(int(pid)):
-                    return f"rank {rank} (process {pid} on host {host}) no longer runs and reported no error: it was killed"
+                    killed = "no longer runs and reported no error: it was killed"
+                    return f"rank {rank} (process {pid} on host {host}) {killed}"
             if not silent:
                 return "every other rank reported a lost connection too"
             if time.monotonic() >= deadline:

@@ -481,6 +481,7 @@ def _ddp_detection_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 # 3 ranks pass too (two padded repeats) but cost 20-30 s more on a 2-core machine; add 3 here to run them.
 @pytest.mark.parametrize("world_size", [2])
+@pytest.mark.slow
 def test_ddp_coco_map_on_every_rank_equals_the_single_process_map(world_size: int) -> None:
     preds, targets = _single_process()
     expected = coco_map(preds, targets)

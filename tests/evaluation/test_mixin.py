@@ -113,6 +113,7 @@ def _ddp_rank(rank: int, world_size: int) -> list[tuple[str, int, bool, bool, di
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.slow
 def test_gathered_set_equals_the_dataset_and_metrics_equal_single_process(world_size: int) -> None:
     per_rank = run_distributed(_ddp_rank, world_size, timeout_s=300)
     for runs in per_rank:
@@ -145,6 +146,7 @@ def _naive_vs_exact_rank(rank: int, world_size: int) -> tuple[float, float, int]
     return float(naive.compute()), float(trainer.callback_metrics["val_acc"]), int(counted.compute())
 
 
+@pytest.mark.slow
 def test_duplicates_padded_by_distributed_sampler_are_not_counted() -> None:
     reference = _single_process_reference(5)
     correct = (reference["preds"] == reference["target"]).double()
@@ -164,6 +166,7 @@ def _uneven_rank(rank: int, world_size: int) -> dict[str, Any]:
     return model.gather_eval_outputs()
 
 
+@pytest.mark.slow
 def test_ranks_with_different_numbers_of_calls_and_an_empty_rank() -> None:
     for result in run_distributed(_uneven_rank, 3):
         assert result["indices"].tolist() == list(range(10))
@@ -184,6 +187,7 @@ def _problem_rank(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_problem_on_one_rank_raises_on_every_rank_instead_of_hanging() -> None:
     for message in run_distributed(_problem_rank, 2):
         assert "rank 1" in message and "same sample index twice" in message

@@ -224,6 +224,7 @@ def _edge_rank(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_empty_calls_and_field_mismatches_on_two_gloo_ranks() -> None:
     per_rank = run_distributed(_edge_rank, 2, timeout_s=240)
     for out in per_rank:
@@ -305,6 +306,7 @@ def _skipping_rank(rank: int, world_size: int, loop: str, gathering_rank: int) -
 @pytest.mark.parametrize(
     ("loop", "gathering_rank"), [("fit", 0), ("validate", 0), ("validate", 1)], ids=["fit", "validate", "validate-r1"]
 )
+@pytest.mark.slow
 def test_a_rank_that_skips_the_gather_is_named_instead_of_a_hang(loop: str, gathering_rank: int) -> None:
     results = run_distributed(_skipping_rank, 2, loop, gathering_rank, timeout_s=240)
     message, seconds = results[gathering_rank]

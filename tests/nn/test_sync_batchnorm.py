@@ -323,6 +323,7 @@ def per_rank() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("case", _TWO_RANK_CASES, ids=lambda c: c.id)
+@pytest.mark.slow
 def test_two_ranks_uneven_batches_match_full_batch_batchnorm(case: Case, per_rank: list[dict]) -> None:
     _assert_matches_reference(case, [r["two_rank"][case.id] for r in per_rank[:2]])
 
@@ -371,6 +372,7 @@ def test_rank_that_skips_the_collective_fails_by_process_group_timeout_not_hang(
     assert _SHORT_TIMEOUT_S <= per_rank[0]["missing_peer_wait_s"] < _SHORT_TIMEOUT_S + 10
 
 
+@pytest.mark.slow
 def test_run_distributed_surfaces_a_rank_exception_with_its_traceback() -> None:
     # A builtin as ``fn`` keeps the spawned rank from importing this module (and Lightning): ~1 s instead of ~10 s.
     # operator.getitem(rank, world_size) raises TypeError in rank 0.

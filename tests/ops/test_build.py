@@ -246,6 +246,7 @@ def static_libstdcxx_build(tmp_path_factory: pytest.TempPathFactory) -> StaticBu
 
 
 @needs_linux_cxx
+@pytest.mark.slow
 def test_a_compiler_that_links_libstdcxx_statically_still_gives_the_shared_one(
     static_libstdcxx_build: StaticBuild, build: ModuleType
 ) -> None:
@@ -260,6 +261,7 @@ def test_a_compiler_that_links_libstdcxx_statically_still_gives_the_shared_one(
 
 
 @needs_linux_cxx
+@pytest.mark.slow
 def test_a_link_that_still_gives_a_private_libstdcxx_fails_naming_it_and_leaves_no_so(
     static_libstdcxx_build: StaticBuild,
 ) -> None:

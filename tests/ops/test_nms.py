@@ -84,6 +84,7 @@ def _random_boxes(seed: int, n: int, layout: str, dtype: torch.dtype) -> tuple[t
 @compiled
 @settings(HYPOTHESIS, max_examples=1000)
 @given(data=box_sets(), iou_threshold=THRESHOLDS, offset=st.sampled_from([0, 1]))
+@pytest.mark.slow
 def test_nms_matches_reference_on_small_sets(
     data: tuple[torch.Tensor, torch.Tensor], iou_threshold: float, offset: int
 ) -> None:
@@ -103,6 +104,7 @@ def test_nms_matches_reference_on_small_sets(
     iou_threshold=THRESHOLDS,
     offset=st.sampled_from([0, 1]),
 )
+@pytest.mark.slow
 def test_nms_matches_reference_on_larger_sets(
     seed: int, n: int, layout: str, dtype: torch.dtype, iou_threshold: float, offset: int
 ) -> None:
@@ -120,6 +122,7 @@ def test_nms_matches_reference_on_larger_sets(
     seed=st.integers(0, 2**16),
     idx_dtype=st.sampled_from([torch.int64, torch.int32, torch.uint8]),
 )
+@pytest.mark.slow
 def test_batched_nms_matches_per_class_reference(
     data: tuple[torch.Tensor, torch.Tensor],
     iou_threshold: float,

@@ -46,6 +46,7 @@ def _boxes(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[t
 @pytest.mark.parametrize("n", [0, 1, 70, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.slow
 def test_opcheck_nms(n: int, dtype: torch.dtype, offset: int) -> None:
     boxes, scores = _boxes(n, dtype=dtype)
     torch.library.opcheck(torch.ops.lightning_balanced.nms.default, (boxes, scores, 0.5, offset))
@@ -75,6 +76,7 @@ def keep_subnormals() -> Iterator[None]:
 # Inductor itself touches torch.jit.script_method in torch 2.13, which warns; not our code.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.slow
 def test_torch_compile_fullgraph_traces_through_nms(backend: str, keep_subnormals: None) -> None:
     torch._dynamo.reset()
 
@@ -254,6 +256,7 @@ def test_cuda_kernel_rejects_non_finite_values_and_runs_under_autocast() -> None
 
 
 @RunIf(nvcc=True)
+@pytest.mark.slow
 def test_cuda_kernel_source_compiles_with_nvcc(tmp_path: Path) -> None:
     """Catches CUDA code that would not build, on machines without a GPU or a CUDA build of torch."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
@@ -317,6 +320,7 @@ def test_missing_kernel_warns_once_and_falls_back_to_the_reference(monkeypatch: 
     assert torch.equal(second, batched_nms_reference(boxes, scores, idxs, 0.5))
 
 
+@pytest.mark.slow
 def test_import_without_compiled_module_works_and_warns_once(tmp_path: Path) -> None:
     """A fresh interpreter where ``lightning_balanced._C`` cannot be imported."""
     script = tmp_path / "no_ext.py"

@@ -44,6 +44,7 @@ def padded_batches(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.T
 @compiled
 @settings(HYPOTHESIS, max_examples=300)
 @given(batch=padded_batches(), iou_threshold=THRESHOLDS, max_output=st.integers(0, 70), offset=st.sampled_from([0, 1]))
+@pytest.mark.slow
 def test_each_image_is_batched_nms_on_its_boxes_truncated(batch, iou_threshold, max_output, offset) -> None:
     boxes, scores, idxs = batch
     keep, num_kept = batched_nms_padded(boxes, scores, idxs, iou_threshold, max_output, offset)

@@ -70,6 +70,7 @@ def _cpu_kernel(boxes, scores, idxs, iou_threshold, offset=0) -> torch.Tensor:
     tile_rows=st.sampled_from([64, 128]),
     classes=st.sampled_from([0, 1, 3]),
 )
+@pytest.mark.slow
 def test_tiled_schedule_matches_the_reference(data, iou_threshold, offset, tile_rows, classes) -> None:
     boxes, scores = data
     idxs = None if classes == 0 else (torch.arange(boxes.shape[0]) * 7 % classes) - 1

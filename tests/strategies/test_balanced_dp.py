@@ -472,6 +472,7 @@ class _DivergentManual(Regressor):
 
 
 @pytest.mark.parametrize("failure", ["diverge", "raise"])
+@pytest.mark.slow
 def test_manual_optimization_never_hangs_when_replicas_diverge(failure: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import lightning_balanced.strategies.balanced_dp as balanced_dp_module
 

@@ -115,6 +115,7 @@ def test_three_devices_1_1_3_get_speed_proportional_chunks() -> None:
     _assert_within_one_sample(policy.plan(35, 3), [15, 15, 5])
 
 
+@pytest.mark.slow
 def test_the_plan_is_the_same_in_two_seeded_runs_within_the_rounding_of_measured_times() -> None:
     plans = []
     for _ in range(2):
@@ -140,6 +141,7 @@ def test_validation_uses_the_proportions_of_the_last_plan() -> None:
     assert sorted(validation[-2:], reverse=True) == sorted(proportional_split(9, planned), reverse=True)
 
 
+@pytest.mark.slow
 def test_drift_re_plans_and_noise_does_not() -> None:
     class Drifting(_Paced):
         """Device 1 gets 2.5x slower from step 12 on; before that, up to 20 % noise on every chunk's time."""
@@ -174,6 +176,7 @@ def _peak_for(model: pl.LightningModule, batch_size: int) -> int:
     return step.peak_bytes
 
 
+@pytest.mark.slow
 def test_the_memory_cap_binds_and_no_planned_chunk_exceeds_it() -> None:
     # Speeds 3:1 would give device 0 about 22 of 30 samples; its memory holds 15 at the default 0.9 of capacity.
     capacity = int(_peak_for(_Paced(), 15) / 0.9) + 1

@@ -110,6 +110,7 @@ def _one_update_rank(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_first_sgd_update_matches_one_process_on_the_concatenated_batch() -> None:
     results = run_distributed(_one_update_rank, 2)
     reference = Net()
@@ -165,6 +166,7 @@ def _unscaled_lrs_used(scheduler: str, steps: int) -> list[list[float]]:
     return used
 
 
+@pytest.mark.slow
 def test_lr_at_step_zero_and_after_k_steps_is_factor_times_unscaled() -> None:
     results = run_distributed(_schedules_rank, 2)
     # effective batch = 2 per device x 2 ranks = 4 against reference 2: linear factor 2, sqrt factor sqrt(2)
@@ -213,6 +215,7 @@ def two_rank_resume(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict
     return run_distributed(_resume_rank, 2, str(checkpoint_dir)), checkpoint_dir / "two_ranks.ckpt"
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted_and_rescales_on_another_world_size(
     two_rank_resume: tuple[list[dict[str, Any]], Path],
 ) -> None:
@@ -298,6 +301,7 @@ def _warmup_and_lr_find_rank(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_warmup_rises_to_the_scaled_lr_and_lr_find_is_not_scaled_twice() -> None:
     result = run_distributed(_warmup_and_lr_find_rank, 2)[0]
     # factor 2 (world size 2), 4 warmup steps: the multiplier on the scaled LR goes 1/2 -> 1 in equal steps of 1/8
@@ -332,6 +336,7 @@ class LoggedLR(Net):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.slow
 def test_ddp_spawn_launcher_scales_the_lr() -> None:
     trainer = quiet_trainer("ddp_spawn_lr_sqrt", 2, max_steps=1)
     trainer.fit(LoggedLR(), DataLoader(_data(8), batch_size=4))
@@ -339,6 +344,7 @@ def test_ddp_spawn_launcher_scales_the_lr() -> None:
 
 
 @pytest.mark.parametrize("launcher", ["lightning_subprocess", "torchrun"])
+@pytest.mark.slow
 def test_script_launchers_scale_the_lr(launcher: str, tmp_path: Path) -> None:
     output = tmp_path / "result.json"
     if launcher == "torchrun":

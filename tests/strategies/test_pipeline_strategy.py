@@ -213,6 +213,7 @@ def _assert_trained_as(
         assert rank["losses"] == pytest.approx(losses, rel=1e-12), run
 
 
+@pytest.mark.slow
 def test_every_schedule_trains_as_the_unpipelined_model_on_two_ranks() -> None:
     runs = [*_SCHEDULE_RUNS, _CLIPPED, _NO_LOSS]
     results = run_distributed(_fit_rank, 2, runs, timeout_s=600)
@@ -246,6 +247,7 @@ _FOUR_RANK_RUNS = [
 ]
 
 
+@pytest.mark.slow
 def test_every_schedule_trains_as_the_unpipelined_model_on_four_ranks() -> None:
     # p = 4: one stage per rank, or two (8 stages of a 10-layer model) for the looped and V-shaped schedules.
     results = run_distributed(_fit_rank, 4, _FOUR_RANK_RUNS, timeout_s=600)
@@ -283,12 +285,14 @@ def _check_checkpoint_and_evaluation(ranks: list[dict[str, Any]], checkpoint: Pa
         torch.testing.assert_close(rank["predicted"], expected_pred[index // (len(ranks) // shards) :: shards], **EXACT)
 
 
+@pytest.mark.slow
 def test_checkpoints_resume_and_evaluation_on_one_pipeline_of_two_ranks(tmp_path: Path) -> None:
     runs = [{"strategy": {"schedule": ONE_F_ONE_B, "chunks": 2}, "checkpoint": str(tmp_path)}]
     results = run_distributed(_fit_rank, 2, runs, timeout_s=600)
     _check_checkpoint_and_evaluation([rank[0] for rank in results], tmp_path / "pipeline.ckpt", shards=1)
 
 
+@pytest.mark.slow
 def test_two_pipelines_of_two_ranks_equal_one_process_on_the_global_batch(tmp_path: Path) -> None:
     mesh = {"schedule": ONE_F_ONE_B, "chunks": 2, "pipeline_parallel_size": 2}
     runs = [{"strategy": mesh, "checkpoint": str(tmp_path)}, {"strategy": {**mesh, "lr_scaling": "linear"}}]
@@ -312,6 +316,7 @@ def _one_epoch_rank(rank: int, world_size: int, resume: str | None, save: str, s
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_a_checkpoint_goes_from_two_stages_to_gpipe_to_four_stages_and_trains_on(tmp_path: Path) -> None:
     # One batch of all 8 samples per epoch, so the order of the samples does not matter: SGD with momentum, 3 steps,
     # saved and resumed at every step: 2 pipeline ranks, then gpipe in one process (2 CPU partitions, its own cut),
@@ -405,6 +410,7 @@ def _tuple_stage_rank(rank: int, world_size: int) -> str:
     return "trained"
 
 
+@pytest.mark.slow
 def test_a_stage_that_returns_a_tuple_is_named_and_its_peers_name_its_rank() -> None:
     first, second, third = run_distributed(_tuple_stage_rank, 3, timeout_s=120)
     assert second == (
@@ -445,6 +451,7 @@ def _killed_rank(rank: int, world_size: int) -> str:
     return "trained"
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_by_the_rank_that_lost_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tests.distributed, "_ERROR_GRACE_S", 60.0)  # rank 0's error comes after rank 1's death
     with pytest.raises(DistributedRankError) as info:

@@ -105,6 +105,7 @@ def _bubble_rank(
     return results
 
 
+@pytest.mark.slow
 def test_the_measured_bubble_is_the_schedules_formula_when_stages_are_equal() -> None:
     schedules = [name for name in ("GPipe", "1F1B") if SCHEDULES[name].available()]
     results = run_distributed(_bubble_rank, 2, schedules, timeout_s=300)
@@ -124,6 +125,7 @@ def test_the_measured_bubble_is_the_schedules_formula_when_stages_are_equal() ->
     not (SCHEDULES["1F1B"].available() and SCHEDULES["ZBVZeroBubble"].available()),
     reason="1F1B runs under strategy='pipeline' from torch 2.8, ZBVZeroBubble from 2.13",
 )
+@pytest.mark.slow
 def test_a_zero_bubble_schedule_measures_a_smaller_bubble_than_1f1b() -> None:
     # The same 4 layers on 2 ranks, each layer's backward half input gradient, half weight gradient: 1F1B runs both
     # halves together, ZBVZeroBubble (two stages per rank, V-shaped) moves weight gradients into the bubble.
@@ -171,6 +173,7 @@ def _activation_memory_rank(rank: int, world_size: int, schedules: list[str]) ->
 
 
 @pytest.mark.skipif(not SCHEDULES["1F1B"].available(), reason="1F1B runs under strategy='pipeline' from torch 2.8")
+@pytest.mark.slow
 def test_1f1b_keeps_p_over_m_of_gpipes_activations_on_stage_0() -> None:
     # p = 4 ranks, m = 16 micro-batches: GPipe keeps all 16 micro-batches' activations on stage 0 until its backward,
     # 1F1B at most p = 4 of them (Narayanan et al., 2021).
@@ -207,6 +210,7 @@ def _fit_mixed(strategy: Any, devices: int, plugin: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("plugin", ["bf16-mixed", "16-mixed"])
+@pytest.mark.slow
 def test_mixed_precision_trains_as_one_process_does(plugin: str) -> None:
     if plugin == "16-mixed" and not hasattr(torch.amp, "GradScaler"):
         pytest.skip("torch.amp.GradScaler (for CPU) is in torch 2.3 and later")

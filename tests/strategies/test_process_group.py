@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 
 from lightning_balanced.strategies.process_group import end_process_group
@@ -14,6 +15,7 @@ def _end_rank(rank: int, world_size: int) -> tuple[bool, bool]:
     return before, dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_every_rank_ends_its_group() -> None:
     assert run_distributed(_end_rank, 2) == [(True, False), (True, False)]
 
@@ -28,6 +30,7 @@ def _rank_1_absent(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_arrives_is_named_in_an_error_after_the_timeout() -> None:
     rank_0, rank_1 = run_distributed(_rank_1_absent, 2)
     assert rank_1 == "absent"
