@@ -14,7 +14,7 @@ a ``Trainer`` that does not use the package shows no trace of it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -24,8 +24,17 @@ from typing_extensions import override
 
 from lightning_balanced.lr_scaling import LR_SCALE_FACTOR_KEY
 
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.types import _PATH
+    from lightning.pytorch.strategies import Strategy
+
+    _StrategyBase = Strategy
+else:
+    _StrategyBase = object
+
 __all__ = [
     "LRScaleFactorCheck",
+    "LRScaleFactorCheckOnLoad",
     "LRScaleFactorWarning",
     "stored_lr_scale_factors",
     "warn_if_lr_scale_factor_unmanaged",
@@ -111,3 +120,23 @@ class LRScaleFactorCheck(Callback):
     ) -> None:
         """Check the optimizer states about to be restored."""
         _warn_if_unmanaged(trainer, checkpoint)
+
+
+class LRScaleFactorCheckOnLoad(_StrategyBase):
+    """A base-free strategy mixin: ``load_checkpoint`` runs :func:`warn_if_lr_scale_factor_unmanaged`.
+
+    What the package's strategies that do not scale learning rates inherit (``balanced_dp``, ``gpipe``, ``pipeline``),
+    so a checkpoint resumed under them is checked without a callback.
+    """
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The checkpoint, with a warning when its learning rates carry an LR-scaling factor left unmanaged here.
+
+        ``*args``/``**kwargs`` pass on what the installed Lightning's ``Strategy.load_checkpoint`` takes
+        (``weights_only`` from Lightning 2.6).
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        assert self.lightning_module is not None
+        warn_if_lr_scale_factor_unmanaged(self.lightning_module.trainer, checkpoint)
+        return checkpoint

@@ -13,7 +13,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -22,7 +21,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int, check_module_name
-from lightning_balanced.callbacks import warn_if_lr_scale_factor_unmanaged
+from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
 from lightning_balanced.pipeline.balance import even_balance
 from lightning_balanced.pipeline.bubble import BusyTimer, bubble
 from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_forward
@@ -81,7 +80,7 @@ class _PipelinedSequential(nn.Sequential):
         return original
 
 
-class PipelineStrategy(RegisteredStrategy, DDPStrategy):
+class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy):
     """Pipeline parallelism across processes and machines: an ``nn.Sequential`` cut into stages, one process each.
 
     A multi-process strategy launched like DDP (Lightning's subprocess and spawn launchers, ``torchrun``, SLURM;
@@ -646,18 +645,6 @@ class PipelineStrategy(RegisteredStrategy, DDPStrategy):
         for part in gathered:
             merged.update(part or {})
         return {**state, "state": merged}
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The checkpoint, with a warning when its learning rates carry an LR-scaling factor left unmanaged here.
-
-        ``*args``/``**kwargs`` pass on what the installed Lightning's ``Strategy.load_checkpoint`` takes
-        (``weights_only`` from Lightning 2.6).
-        """
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        assert self.lightning_module is not None
-        warn_if_lr_scale_factor_unmanaged(self.lightning_module.trainer, checkpoint)
-        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

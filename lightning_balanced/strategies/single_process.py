@@ -9,11 +9,10 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_balanced.callbacks import warn_if_lr_scale_factor_unmanaged
+from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
 if TYPE_CHECKING:
-    from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies import ParallelStrategy
 
     _StrategyBase = ParallelStrategy
@@ -79,7 +78,7 @@ def parallel_devices_argument(
     return parsed
 
 
-class SingleProcess(RegisteredStrategy, _StrategyBase):
+class SingleProcess(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
     """The rank, world size and collectives of a ``ParallelStrategy`` that runs all its devices in one process.
 
     Free of a Lightning base class, so ``lightning.pytorch``'s and the standalone ``pytorch_lightning``'s
@@ -149,15 +148,3 @@ class SingleProcess(RegisteredStrategy, _StrategyBase):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Identity: there is one process."""
         return decision
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The checkpoint, with a warning when its learning rates carry an LR-scaling factor left unmanaged here.
-
-        ``*args``/``**kwargs`` pass on what the installed Lightning's ``Strategy.load_checkpoint`` takes
-        (``weights_only`` from Lightning 2.6).
-        """
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        assert self.lightning_module is not None
-        warn_if_lr_scale_factor_unmanaged(self.lightning_module.trainer, checkpoint)
-        return checkpoint
