@@ -42,19 +42,17 @@ class StopNotices:
     Args:
         store (torch.distributed.Store): the default process group's store, shared by every rank.
         rank (int): this process's global rank.
-        world_size (int): the number of ranks.
     """
 
     store: Store
     rank: int
-    world_size: int
 
     @classmethod
     def of_default_group(cls) -> StopNotices:
         """The notices in the store of the initialized default process group (``dist.init_process_group``)."""
         from torch.distributed.distributed_c10d import _get_default_store
 
-        return cls(_get_default_store(), dist.get_rank(), dist.get_world_size())
+        return cls(_get_default_store(), dist.get_rank())
 
     def record_process(self) -> None:
         """Record where this rank runs (host name and process id), so a peer on the same host can tell it was killed.
@@ -112,9 +110,8 @@ class StopNotices:
             if not silent:
                 return "every other rank reported a lost connection too"
             if time.monotonic() >= deadline:
-                return (
-                    f"no rank reported an error of its own; ranks {silent} reported nothing (killed, or still running)"
-                )
+                which = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {silent}"
+                return f"no rank reported an error of its own; {which} reported nothing (killed, or still running)"
             time.sleep(0.1)
 
     def _read(self, key: str) -> str | None:
