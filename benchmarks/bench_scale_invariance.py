@@ -4,7 +4,8 @@ The digits job (scikit-learn's 8x8 digits, a conv-BatchNorm CNN, float64) trains
 0.999), eps 1e-8, tuned at batch 32) under ``strategy="ddp"`` on 1, 2 and 4 spawned gloo CPU processes at per-device
 batch 32, so the effective batch is 32, 64 and 128 (``kappa`` = 1, 2, 4). The config is the same apart from
 ``devices``: a :class:`~lightning_balanced.scale_invariance.ScaleInvariance` callback with ``reference_batch_size=32``
-and a warmup of 512 samples, under each policy:
+and a warmup of 512 samples, under each policy (``--per-device-batch 4`` runs the same at batch 4, 8 and 16, the
+reference following it: batches well below the gradient noise scale):
 
 * ``adam_sde+ema``: the SDE rule for Adam (lr x sqrt(kappa), 1 - beta x kappa, eps / sqrt(kappa); Malladi et al.,
   NeurIPS 2022) and the EMA rule for BatchNorm's momentum (Busbridge et al., NeurIPS 2023);
@@ -21,7 +22,8 @@ mean. The anchor is the 1-process run of the same script. Ends with ``adam_sde_e
 ``--plot`` saves loss against samples, one line per world size, one panel
 per policy (needs matplotlib); ``--json`` writes the curves.
 
-Usage: ``python benchmarks/bench_scale_invariance.py [--seeds 5] [--world-sizes 1 2 4] [--plot curves.png]``
+Usage: ``python benchmarks/bench_scale_invariance.py [--seeds 5] [--world-sizes 1 2 4] [--per-device-batch 32]
+[--plot curves.png]``
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_balanced.scale_invariance import ScaleInvariance
 
 PER_DEVICE_BATCH = 32
-REFERENCE_BATCH = 32
 CHECKPOINT_SAMPLES = 512
 CHECKPOINTS = 8
 WARMUP_SAMPLES = 512
@@ -92,11 +93,11 @@ class Digits(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr, betas=(0.9, 0.999), eps=1e-8)
 
 
-def gradient_noise_scale(net: nn.Module, train: TensorDataset) -> float:
+def gradient_noise_scale(net: nn.Module, train: TensorDataset, batch: int = PER_DEVICE_BATCH) -> float:
     """``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training").
 
-    ``G`` is the mean of the gradients of the training set's batches of ``PER_DEVICE_BATCH`` (in order, BatchNorm in
-    training mode on each, as in a step), and ``tr(Sigma) / PER_DEVICE_BATCH`` their mean squared distance from it. A
+    ``G`` is the mean of the gradients of the training set's batches of ``batch`` samples (in order, BatchNorm in
+    training mode on each, as in a step), and ``tr(Sigma) / batch`` their mean squared distance from it. A
     batch much smaller than ``B_simple`` is noise-dominated, the regime where the SDE rule holds (Malladi et al.,
     Section 5); a batch near or above it is not. Measured on a copy, so training is untouched.
     """
@@ -105,24 +106,27 @@ def gradient_noise_scale(net: nn.Module, train: TensorDataset) -> float:
     probe = copy.deepcopy(net).train()
     x, y = train.tensors
     grads = []
-    for start in range(0, len(y) - PER_DEVICE_BATCH + 1, PER_DEVICE_BATCH):
+    for start in range(0, len(y) - batch + 1, batch):
         probe.zero_grad()
-        F.cross_entropy(probe(x[start : start + PER_DEVICE_BATCH]), y[start : start + PER_DEVICE_BATCH]).backward()
+        F.cross_entropy(probe(x[start : start + batch]), y[start : start + batch]).backward()
         grads.append(torch.cat([p.grad.flatten() for p in probe.parameters() if p.grad is not None]))
     stacked = torch.stack(grads)
     mean = stacked.mean(0)
     spread = (stacked - mean).pow(2).sum(1).mean().item() * len(grads) / (len(grads) - 1)
-    return PER_DEVICE_BATCH * spread / mean.pow(2).sum().item()
+    return batch * spread / mean.pow(2).sum().item()
 
 
 class ValidationCurve(pl.Callback):
     """On rank 0, the loss on the whole validation set every ``every_steps`` optimizer steps, and on 1 process the
     gradient noise scale there (:func:`gradient_noise_scale`)."""
 
-    def __init__(self, val: TensorDataset, every_steps: int, train: TensorDataset | None = None) -> None:
+    def __init__(
+        self, val: TensorDataset, every_steps: int, train: TensorDataset | None = None, batch: int = 32
+    ) -> None:
         self.x, self.y = val.tensors
         self.every_steps = every_steps
         self.train = train
+        self.batch = batch
         self.losses: list[float] = []
         self.noise_scales: list[float] = []
 
@@ -135,24 +139,24 @@ class ValidationCurve(pl.Callback):
             self.losses.append(F.cross_entropy(net(self.x), self.y).item())
         net.train()
         if self.train is not None:
-            self.noise_scales.append(gradient_noise_scale(net, self.train))
+            self.noise_scales.append(gradient_noise_scale(net, self.train, self.batch))
 
 
-def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: int, queue: Any) -> None:
+def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: int, batch: int, queue: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     train, val = digits()
-    steps_per_checkpoint = every // (PER_DEVICE_BATCH * world_size)
+    steps_per_checkpoint = every // (batch * world_size)
     curves: dict[str, list[list[float]]] = {name: [] for name in POLICIES}
     noise_scales: list[list[float]] = []
     for name, policy in POLICIES.items():
         for seed in range(seeds):
             pl.seed_everything(seed, verbose=False)
             model = Digits(lr)
-            curve = ValidationCurve(val, steps_per_checkpoint, train if world_size == 1 else None)
+            curve = ValidationCurve(val, steps_per_checkpoint, train if world_size == 1 else None, batch)
             trainer = pl.Trainer(
                 accelerator="cpu",
                 devices=world_size,
@@ -164,11 +168,11 @@ def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: i
                 enable_model_summary=False,
                 limit_val_batches=0,
                 callbacks=[
-                    ScaleInvariance(policy, reference_batch_size=REFERENCE_BATCH, warmup_samples=WARMUP_SAMPLES),
+                    ScaleInvariance(policy, reference_batch_size=batch, warmup_samples=WARMUP_SAMPLES),
                     curve,
                 ],
             )
-            loader = DataLoader(train, batch_size=PER_DEVICE_BATCH, shuffle=True, drop_last=True)
+            loader = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True)
             trainer.fit(model, loader)
             curves[name].append(curve.losses)
             if curve.noise_scales:
@@ -178,14 +182,18 @@ def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: i
     dist.destroy_process_group()
 
 
-def run(world_size: int, seeds: int, lr: float, every: int) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
+def run(
+    world_size: int, seeds: int, lr: float, every: int, batch: int = PER_DEVICE_BATCH
+) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
     """Each policy's curves (one per seed, ``CHECKPOINTS`` losses each) on ``world_size`` spawned processes, and on
     one process the gradient noise scale at each checkpoint (one list per run)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").Queue()
-    mp.start_processes(_rank, args=(world_size, port, seeds, lr, every, queue), nprocs=world_size, start_method="spawn")
+    mp.start_processes(
+        _rank, args=(world_size, port, seeds, lr, every, batch, queue), nprocs=world_size, start_method="spawn"
+    )
     return queue.get()  # type: ignore[no-any-return]
 
 
@@ -206,7 +214,13 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint-samples", type=int, default=CHECKPOINT_SAMPLES, help="samples between checkpoints"
     )
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate at the reference batch of 32")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate at the reference batch")
+    parser.add_argument(
+        "--per-device-batch",
+        type=int,
+        default=PER_DEVICE_BATCH,
+        help="each process's batch; also the reference batch the hyperparameters are tuned at (1 process)",
+    )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--plot", default=None, help="save the curves to this image (needs matplotlib)")
     parser.add_argument("--json", default=None, help="write the curves to this file")
@@ -219,14 +233,16 @@ def main() -> None:
         except ImportError:
             parser.error("--plot needs matplotlib: pip install matplotlib")
     every = args.checkpoint_samples
-    if every % (PER_DEVICE_BATCH * max(args.world_sizes)):
-        parser.error(f"--checkpoint-samples must be a multiple of {PER_DEVICE_BATCH} x the largest world size")
-    runs = {world_size: run(world_size, args.seeds, args.lr, every) for world_size in args.world_sizes}
+    batch = args.per_device_batch
+    if every % (batch * max(args.world_sizes)):
+        parser.error(f"--checkpoint-samples must be a multiple of {batch} x the largest world size")
+    runs = {world_size: run(world_size, args.seeds, args.lr, every, batch) for world_size in args.world_sizes}
     results = {world_size: curves for world_size, (curves, _) in runs.items()}
     noise = runs[1][1]
     samples = [every * (i + 1) for i in range(CHECKPOINTS)]
     print(
-        f"validation loss at {samples[0]}..{samples[-1]} samples, mean over {args.seeds} seeds, lr {args.lr}"
+        f"validation loss at {samples[0]}..{samples[-1]} samples, mean over {args.seeds} seeds, lr {args.lr},"
+        f" per-device batch {batch}"
         f" (torch {torch.__version__})"
     )
     scales = [statistics.fmean(run[i] for run in noise) for i in range(CHECKPOINTS)]

@@ -446,7 +446,7 @@ class _KilledInSecondStep(PipelinedRegressor):
 
 
 def _killed_rank(rank: int, world_size: int) -> str:
-    trainer = quiet_trainer(PipelineStrategy(schedule="1F1B", chunks=2), world_size, max_steps=3)
+    trainer = quiet_trainer(PipelineStrategy(schedule="GPipe", chunks=2), world_size, max_steps=3)  # on every torch
     trainer.fit(_KilledInSecondStep(), DataLoader(_data(24), batch_size=4))
     return "trained"
 
