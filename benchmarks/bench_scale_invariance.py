@@ -9,12 +9,15 @@ reference following it: batches well below the gradient noise scale):
 
 * ``adam_sde+ema``: the SDE rule for Adam (lr x sqrt(kappa), 1 - beta x kappa, eps / sqrt(kappa); Malladi et al.,
   NeurIPS 2022) and the EMA rule for BatchNorm's momentum (Busbridge et al., NeurIPS 2023);
+* ``linear+ema``: the learning rate x kappa (Adam's betas and eps kept) with the EMA rule: the rule of the regime where
+  the gradient dominates its noise, where Adam's step is about ``lr x sign(gradient)``;
 * ``sqrt``: the learning rate x sqrt(kappa) only (the contrast the issue asks for).
 
 Rank 0 measures the loss on the whole validation split at 8 checkpoints, every 512 samples seen (over all processes),
 for ``--seeds`` seeds (the seed sets the initial weights and the data order). A curve is *inside the band* when, at
 every checkpoint, its mean over the seeds lies within 2 standard deviations (over the seeds) of the 1-process curve's
-mean. The anchor is the 1-process run of the same script. Ends with ``adam_sde_ema_inside=`` and ``sqrt_inside=``
+mean. The anchor is the 1-process run of the same script. Ends with ``adam_sde_ema_inside=``, ``linear_ema_inside=`` and
+``sqrt_inside=``
 (the world sizes whose curve lies inside the band), ``worst_z_adam_sde_ema=`` (the largest distance from the
 1-process mean, in its standard deviations) and ``max_noise_scale=``: the gradient noise scale ``B_simple`` of the
 1-process runs, measured at each checkpoint (:func:`gradient_noise_scale`). The SDE rule assumes batches well below it
@@ -51,7 +54,11 @@ PER_DEVICE_BATCH = 32
 CHECKPOINT_SAMPLES = 512
 CHECKPOINTS = 8
 WARMUP_SAMPLES = 512
-POLICIES: dict[str, list[str]] = {"adam_sde+ema": ["adam_sde", "ema"], "sqrt": ["sqrt"]}
+POLICIES: dict[str, list[str]] = {
+    "adam_sde+ema": ["adam_sde", "ema"],
+    "linear+ema": ["linear", "ema"],
+    "sqrt": ["sqrt"],
+}
 
 
 def digits() -> tuple[TensorDataset, TensorDataset]:
@@ -267,8 +274,10 @@ def main() -> None:
                 inside[name].append(world_size)
             worst[name] = max(worst[name], max(scores))
     print(
-        f"adam_sde_ema_inside={inside['adam_sde+ema']} sqrt_inside={inside['sqrt']}"
-        f" worst_z_adam_sde_ema={worst['adam_sde+ema']:.2f} worst_z_sqrt={worst['sqrt']:.2f}"
+        f"adam_sde_ema_inside={inside['adam_sde+ema']} linear_ema_inside={inside['linear+ema']}"
+        f" sqrt_inside={inside['sqrt']}"
+        f" worst_z_adam_sde_ema={worst['adam_sde+ema']:.2f} worst_z_linear_ema={worst['linear+ema']:.2f}"
+        f" worst_z_sqrt={worst['sqrt']:.2f}"
         f" max_noise_scale={max(scales):.1f}"
     )
     if args.json:

@@ -10,7 +10,11 @@ at, the scaling rules say how to change them so that training follows the same c
   beta2), ``eps / sqrt(kappa)``;
 * ``"ema"``, composable with any of those: every exponential moving average's momentum ``rho -> rho ** kappa``
   (Busbridge et al., NeurIPS 2023, "How to Scale Your EMA"): BatchNorm's running statistics (torch's ``momentum`` is
-  ``1 - rho``), the decay of Lightning's ``EMAWeightAveraging`` and of a torch ``AveragedModel`` EMA.
+  ``1 - rho``), the decay of Lightning's ``EMAWeightAveraging`` and of a torch ``AveragedModel`` EMA. The rule takes
+  each update of an EMA to see the whole effective batch; under data parallelism without SyncBatchNorm each rank's
+  BatchNorm sees only its own batch, so the running statistics are also averaged over the data-parallel ranks after
+  every training batch (an EMA is linear: that is the EMA of the ranks' mean statistics). Otherwise rank 0's running
+  statistics would average ``kappa`` times fewer samples than one process's, and evaluate worse.
 
 Schedules and warmup are counted in samples (:class:`ScaleInvariance`'s ``warmup_samples`` and
 ``schedules_in_samples``), so the same config means the same thing on 1 or 8 processes.
@@ -27,6 +31,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
@@ -44,6 +49,7 @@ from lightning_balanced.lr_scaling import (
     scaled_hyperparameters,
     warmup_multiplier,
 )
+from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
 from lightning_balanced.progress_log import rank_zero_report
 
 __all__ = [
@@ -51,6 +57,7 @@ __all__ = [
     "REFERENCE_KEY",
     "ScaleInvariance",
     "ScalingPolicy",
+    "average_running_statistics",
     "data_parallel_size",
     "scaled_ema_momentum",
     "scaled_hyperparameters",
@@ -211,6 +218,11 @@ class ScaleInvariance(Callback):
         return lines
 
     @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.policy.ema:
+            average_running_statistics(pl_module, trainer.strategy)
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for module, momentum in self._momentum.items():
             module.momentum = momentum
@@ -223,6 +235,42 @@ class ScaleInvariance(Callback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def average_running_statistics(module: torch.nn.Module, strategy: Any) -> None:
+    """Average every BatchNorm's running mean and variance over the data-parallel ranks, in place.
+
+    Each rank's BatchNorm (not synchronized) tracks the statistics of its own batches; their mean over the ranks is the
+    moving average of the ranks' mean statistics, the EMA of the whole effective batch. One ``all_reduce`` per dtype
+    over the strategy's ``data_parallel_group`` (``strategy="pipeline"``) or the default group. Nothing happens with a
+    data-parallel size of 1 or without an initialized process group; synchronized layers (torch's and the package's
+    ``SyncBatchNorm``), identical on every rank already, are left as they are, and so are layers off the strategy's
+    ``root_device`` (under ``strategy="pipeline"``, the host copies of the stages other ranks train).
+
+    Args:
+        module: the model; its ``_BatchNorm`` layers with ``track_running_stats`` are averaged.
+        strategy: the Trainer's strategy (its ``data_parallel_size``, or ``world_size``).
+    """
+    size = data_parallel_size(strategy)
+    if size == 1 or not dist.is_available() or not dist.is_initialized():
+        return
+    device = strategy.root_device
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for layer in module.modules():
+        if not isinstance(layer, _BatchNorm) or isinstance(layer, (torch.nn.SyncBatchNorm, SyncBatchNorm)):
+            continue
+        for buffer in (layer.running_mean, layer.running_var):
+            if buffer is not None and buffer.device == device:
+                by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    group = getattr(strategy, "data_parallel_group", None)
+    for buffers in by_dtype.values():
+        flat = torch.cat([buffer.detach().reshape(-1) for buffer in buffers])
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        offset = 0
+        for buffer in buffers:
+            buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()
 
 
 class SampleStepping:

@@ -363,3 +363,65 @@ def test_two_processes_train_as_one_process_on_their_joint_batch() -> None:
     for rank in results:
         for name, value in rank.items():
             torch.testing.assert_close(value, model.state_dict()[name], rtol=0, atol=1e-12, msg=name)
+
+
+class PlainBN(Plain):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # No bias before BatchNorm: its gradient is zero up to rounding, which Adam would amplify to ~1e-11 steps.
+        self.net = nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def _ddp_bn_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    from tests.helpers import quiet_trainer
+
+    model = PlainBN()
+    callback = ScaleInvariance(["adam_sde", "ema"], reference_batch_size=8)
+    quiet_trainer("ddp", world_size, max_steps=3, callbacks=[callback]).fit(model, DataLoader(_data(), batch_size=8))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_with_the_ema_rule_batchnorm_running_statistics_average_every_ranks_batches() -> None:
+    from torch.utils.data import DistributedSampler
+
+    from tests.distributed import lightning_sampler_seed, run_distributed
+
+    results = run_distributed(_ddp_bn_rank, 2)
+    # One process replays the 2 ranks' steps (kappa 2): the gradient of the mean of their losses, each rank's batch
+    # normalized by its own statistics, and running statistics that are the EMA (momentum 1 - 0.9 ** 2) of the two
+    # ranks' batch statistics averaged: each rank's update from the same start, then their mean.
+    model = PlainBN()
+    batchnorm = model.net[1]
+    batchnorm.momentum = 1 - 0.9**2
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=0.01 * math.sqrt(2), betas=(0.8, 0.998), eps=1e-8 / math.sqrt(2)
+    )
+    data = _data()
+    x, y = data[:]
+    orders = [
+        list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=lightning_sampler_seed()))
+        for r in range(2)
+    ]
+    for step in range(3):
+        start = (batchnorm.running_mean.clone(), batchnorm.running_var.clone())
+        updated = []
+        optimizer.zero_grad()
+        losses = []
+        for order in orders:
+            rows = order[step * 8 : (step + 1) * 8]
+            batchnorm.running_mean = start[0].clone()  # new tensors: autograd saved the ones the last forward used
+            batchnorm.running_var = start[1].clone()
+            losses.append(F.mse_loss(model.net(x[rows]), y[rows]))
+            updated.append((batchnorm.running_mean.clone(), batchnorm.running_var.clone()))
+        (sum(losses) / 2).backward()
+        optimizer.step()
+        batchnorm.running_mean = (updated[0][0] + updated[1][0]) / 2
+        batchnorm.running_var = (updated[0][1] + updated[1][1]) / 2
+    # 1e-12: float64, the same operations up to the order of the two ranks' sums.
+    for rank in results:
+        for name, value in rank.items():
+            if not name.endswith("num_batches_tracked"):
+                torch.testing.assert_close(value, model.state_dict()[name], rtol=0, atol=1e-12, msg=name)
+    torch.testing.assert_close(results[0]["net.1.running_mean"], results[1]["net.1.running_mean"], rtol=0, atol=0)
