@@ -67,23 +67,13 @@ def stored_lr_scale_factors(checkpoint: Mapping[str, Any]) -> dict[int, float]:
 def warn_if_lr_scale_factor_unmanaged(trainer: pl.Trainer, checkpoint: Mapping[str, Any]) -> None:
     """Warn (:class:`LRScaleFactorWarning`, rank 0) when ``checkpoint`` carries a factor nobody will manage.
 
-    What the package's strategies call on the checkpoint they load. Quiet when an :class:`LRScaleFactorCheck` is among
-    the callbacks (it checks instead, so nothing is said twice), and as :class:`LRScaleFactorCheck` is.
+    Quiet when the ``Trainer`` is not fitting, when its strategy or one of its callbacks manages the factor
+    (``manages_lr_scale_factor``: ``ddp_lr_*``, ``pipeline_lr_*``, ``ScaleInvariance``), or when the checkpoint holds no
+    factor other than 1.
 
     Args:
         trainer: the ``Trainer`` restoring the checkpoint.
         checkpoint: the Lightning checkpoint about to be restored.
-    """
-    if not any(isinstance(callback, LRScaleFactorCheck) for callback in trainer.callbacks):  # type: ignore[attr-defined]
-        _warn_if_unmanaged(trainer, checkpoint)
-
-
-def _warn_if_unmanaged(trainer: pl.Trainer, checkpoint: Mapping[str, Any]) -> None:
-    """The check itself.
-
-    Quiet when the ``Trainer`` is not fitting, when its strategy or one of its callbacks manages the factor
-    (``manages_lr_scale_factor``: ``ddp_lr_*``, ``pipeline_lr_*``, ``ScaleInvariance``), or when the checkpoint holds no
-    factor other than 1.
     """
     if trainer.state.fn != TrainerFn.FITTING or getattr(trainer.strategy, "manages_lr_scale_factor", False):
         return
@@ -119,14 +109,15 @@ class LRScaleFactorCheck(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Check the optimizer states about to be restored."""
-        _warn_if_unmanaged(trainer, checkpoint)
+        warn_if_lr_scale_factor_unmanaged(trainer, checkpoint)
 
 
 class LRScaleFactorCheckOnLoad(_StrategyBase):
     """A base-free strategy mixin: ``load_checkpoint`` runs :func:`warn_if_lr_scale_factor_unmanaged`.
 
     What the package's strategies that do not scale learning rates inherit (``balanced_dp``, ``gpipe``, ``pipeline``),
-    so a checkpoint resumed under them is checked without a callback.
+    so a checkpoint resumed under them is checked without a callback; with an :class:`LRScaleFactorCheck` among the
+    callbacks, the check is left to it, so nothing is said twice.
     """
 
     @override
@@ -138,5 +129,7 @@ class LRScaleFactorCheckOnLoad(_StrategyBase):
         """
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         assert self.lightning_module is not None
-        warn_if_lr_scale_factor_unmanaged(self.lightning_module.trainer, checkpoint)
+        trainer = self.lightning_module.trainer
+        if not any(isinstance(callback, LRScaleFactorCheck) for callback in trainer.callbacks):  # type: ignore[attr-defined]
+            warn_if_lr_scale_factor_unmanaged(trainer, checkpoint)
         return checkpoint

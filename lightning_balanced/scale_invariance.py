@@ -219,6 +219,8 @@ class ScaleInvariance(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # Every batch, not only before the statistics are read: DDP broadcasts rank 0's buffers at each forward
+        # (`broadcast_buffers`), which would drop the other ranks' updates of all but the last step.
         if self.policy.ema:
             average_running_statistics(pl_module, trainer.strategy)
 

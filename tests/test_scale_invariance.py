@@ -336,24 +336,32 @@ def _ddp_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.slow
-def test_two_processes_train_as_one_process_on_their_joint_batch() -> None:
+def _two_rank_replay(model: Plain) -> tuple[torch.optim.Optimizer, list[list[int]]]:
+    """For a one-process replay of 2 DDP ranks at kappa 2: Adam with the SDE rule's values, and each rank's order."""
     from torch.utils.data import DistributedSampler
 
-    from tests.distributed import lightning_sampler_seed, run_distributed
+    from tests.distributed import lightning_sampler_seed
 
-    results = run_distributed(_ddp_rank, 2)
-    # One process, batch 16 (kappa 2 too): the samples of both ranks' batches, in DDP's order.
-    model = Plain()
     optimizer = torch.optim.Adam(
         model.parameters(), lr=0.01 * math.sqrt(2), betas=(0.8, 0.998), eps=1e-8 / math.sqrt(2)
     )
     data = _data()
-    x, y = data[:]
     orders = [
         list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=lightning_sampler_seed()))
         for r in range(2)
     ]
+    return optimizer, orders
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_process_on_their_joint_batch() -> None:
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_ddp_rank, 2)
+    # One process, batch 16 (kappa 2 too): the samples of both ranks' batches, in DDP's order.
+    model = Plain()
+    optimizer, orders = _two_rank_replay(model)
+    x, y = _data()[:]
     for step in range(3):
         rows = [order[step * 8 : (step + 1) * 8] for order in orders]
         optimizer.zero_grad()
@@ -384,9 +392,7 @@ def _ddp_bn_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_with_the_ema_rule_batchnorm_running_statistics_average_every_ranks_batches() -> None:
-    from torch.utils.data import DistributedSampler
-
-    from tests.distributed import lightning_sampler_seed, run_distributed
+    from tests.distributed import run_distributed
 
     results = run_distributed(_ddp_bn_rank, 2)
     # One process replays the 2 ranks' steps (kappa 2): the gradient of the mean of their losses, each rank's batch
@@ -395,15 +401,8 @@ def test_with_the_ema_rule_batchnorm_running_statistics_average_every_ranks_batc
     model = PlainBN()
     batchnorm = model.net[1]
     batchnorm.momentum = 1 - 0.9**2
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=0.01 * math.sqrt(2), betas=(0.8, 0.998), eps=1e-8 / math.sqrt(2)
-    )
-    data = _data()
-    x, y = data[:]
-    orders = [
-        list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=lightning_sampler_seed()))
-        for r in range(2)
-    ]
+    optimizer, orders = _two_rank_replay(model)
+    x, y = _data()[:]
     for step in range(3):
         start = (batchnorm.running_mean.clone(), batchnorm.running_var.clone())
         updated = []
