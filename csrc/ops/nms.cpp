@@ -16,8 +16,9 @@ TORCH_LIBRARY_FRAGMENT(lightning_balanced, m) {
       "batched_nms_padded(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int max_output, "
       "int offset=0) -> (Tensor, Tensor)");
   // Private, CPU only: the CUDA kernels' tiled algorithm and step order run on the host (nms_tiled_driver.h),
-  // for the tests. Returns the raw keep [B, capacity] and counters [B, 4] (kept, tile kept, bad score, bad box).
+  // for the tests. Returns the raw keep [B, capacity], counters [B, 4] (kept, tile kept, bad score, bad box) and
+  // the cost model, a row per launch the GPU would make: (kind, parallel width, serial depth).
   m.def(
       "_nms_tiled_schedule(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int offset, bool padded, "
-      "int capacity, int tile_rows) -> (Tensor, Tensor)");
+      "int capacity, int tile_rows=1024, int propagate_warps=8192) -> (Tensor, Tensor, Tensor)");
 }

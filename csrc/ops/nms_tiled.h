@@ -40,7 +40,9 @@
 namespace lightning_balanced::nms_tiled {
 
 constexpr int kWordBits = 64;    // boxes per block = bits per word of a bitmask
-constexpr int kSuperBlocks = 64;  // blocks per super-block
+constexpr int kMaxSuperBlocks = 64;  // blocks per super-block, at most (one ballot of a warp)
+constexpr int kGroupBlocks = 16;
+constexpr int kWarpReduceSteps = 5;  // the shuffles of an OR over a warp of 32  // blocks per work item of step 2 (a quarter of a super-block)
 
 // ---- arithmetic, rounded to nearest ------------------------------------------------------------------------------
 #ifdef __CUDA_ARCH__
@@ -64,6 +66,20 @@ template <typename T>
 LB_HOST_DEVICE T max_of(T a, T b) {
   return a > b ? a : b;
 }
+
+// ---- cost model (host emulation only) ------------------------------------------------------------------------------
+// Each loop iteration a thread runs (a box compared, a block or super-block visited, a round) adds one serial step;
+// the emulation records, per launch, the largest count of any thread (cpu/nms_tiled_schedule.cpp). On the device
+// the counting compiles to nothing.
+#ifdef __CUDA_ARCH__
+#define LB_COST(steps) ((void)0)
+#else
+inline int64_t& serial_steps() {
+  static thread_local int64_t steps = 0;
+  return steps;
+}
+#define LB_COST(steps) (::lightning_balanced::nms_tiled::serial_steps() += (steps))
+#endif
 
 // `*word |= bits`, atomically on the device (other threads OR into the same word).
 LB_HOST_DEVICE void or_word(uint64_t* word, uint64_t bits) {
@@ -157,7 +173,10 @@ struct SpatialIndex {
 };
 
 LB_HOST_DEVICE int64_t num_words(int64_t n) { return (n + kWordBits - 1) / kWordBits; }
-LB_HOST_DEVICE int64_t num_supers(int64_t n) { return (num_words(n) + kSuperBlocks - 1) / kSuperBlocks; }
+LB_HOST_DEVICE int64_t num_supers(int64_t n, int super_blocks) {
+  return (num_words(n) + super_blocks - 1) / super_blocks;
+}
+
 
 // The bits past the last box of the last word: decided from the start.
 LB_HOST_DEVICE uint64_t padding_bits(int64_t n) {
@@ -173,6 +192,7 @@ LB_HOST_DEVICE void bound_groups(const T* regions, const int64_t* classes, int c
                                  T* region, int64_t* class_range) {
   const T* r = regions + first * 4;
   T x1 = r[0], y1 = r[1], x2 = r[2], y2 = r[3];
+  LB_COST(count);
   for (int64_t k = 1; k < count; ++k) {
     r += 4;
     x1 = min_of(x1, r[0]);
@@ -200,58 +220,66 @@ LB_HOST_DEVICE bool class_in(const int64_t* class_range, int64_t cls) {
   return class_range == nullptr || (class_range[0] <= cls && cls <= class_range[1]);
 }
 
-// Step 2 for one kept box a (of class `cls`): mark in `removed` every undecided box it suppresses.
-template <typename T>
-LB_HOST_DEVICE void propagate(const SpatialIndex<T>& index, const T* a, int64_t cls, T thr, T off) {
-  const T area_a = area_of(a, off);
-  const int64_t blocks = num_words(index.n);
-  const bool by_class = index.classes != nullptr;
-  for (int64_t s = 0, supers = num_supers(index.n); s < supers; ++s) {
-    if (!may_overlap(a, index.super_region + 4 * s, off)) continue;
-    if (by_class && !class_in(index.super_classes + 2 * s, cls)) continue;
-    const int64_t last = min_of(blocks, (s + 1) * kSuperBlocks);
-    for (int64_t blk = s * kSuperBlocks; blk < last; ++blk) {
-      const uint64_t decided = index.removed[blk];  // a stale read only costs work
-      if (decided == ~uint64_t{0}) continue;
-      if (!may_overlap(a, index.block_region + 4 * blk, off)) continue;
-      if (by_class && !class_in(index.block_classes + 2 * blk, cls)) continue;
-      uint64_t bits = 0;
-      for (int k = 0; k < kWordBits; ++k) {
-        if ((decided >> k) & 1) continue;
-        const int64_t j = blk * kWordBits + k;
-        if (by_class && index.classes[j] != cls) continue;
-        const T* b = index.boxes + 4 * j;
-        if (suppresses(a, area_a, b, area_of(b, off), thr, off)) bits |= uint64_t{1} << k;
-      }
-      if (bits != 0) or_word(&index.removed[blk], bits);
-    }
-  }
-}
-
-// ---- one tile ---------------------------------------------------------------------------------------------------
-// The tile's state in shared memory: its rows are boxes first .. first + rows - 1 of the score order.
-struct Tile {
-  int rows;
-  uint64_t* decided;     // [words]: rows decided before the tile (suppressed by an earlier tile, or padding)
-  uint64_t* mask;        // [rows, words]: row r's suppression of the later rows of the tile
-  uint64_t* suppressed;  // [words]: scratch of the pass
-};
-
+// ---- one tile: the greedy pass over 64-row blocks, in rounds of a warp ------------------------------------------
 LB_HOST_DEVICE int tile_words(int rows) { return (rows + kWordBits - 1) / kWordBits; }
 
-// Step 1b, one thread: the greedy pass over the tile's rows in score order. Writes the kept rows (tile-local,
-// ascending) to `kept` and returns their number.
-LB_HOST_DEVICE int tile_pass(const Tile& tile, int32_t* kept) {
-  const int words = tile_words(tile.rows);
-  for (int w = 0; w < words; ++w) tile.suppressed[w] = tile.decided[w];
-  int count = 0;
-  for (int r = 0; r < tile.rows; ++r) {
-    if (test_bit(tile.suppressed, r)) continue;
-    kept[count++] = r;
-    const uint64_t* row = tile.mask + static_cast<int64_t>(r) * words;
-    for (int w = r >> 6; w < words; ++w) tile.suppressed[w] |= row[w];
+LB_HOST_DEVICE int popcount(uint64_t x) {
+#ifdef __CUDA_ARCH__
+  return __popcll(x);
+#else
+  return __builtin_popcountll(x);
+#endif
+}
+
+// The lowest set bit of x != 0, removed from x; returns its index.
+LB_HOST_DEVICE int pop_lowest(uint64_t& x) {
+#ifdef __CUDA_ARCH__
+  const int i = __ffsll(static_cast<long long>(x)) - 1;
+#else
+  const int i = __builtin_ctzll(x);
+#endif
+  x &= x - 1;
+  return i;
+}
+
+// Warp-level code (the tile pass, step 2) is written once against a `Warp`: the kernels' runs on the 32 lanes
+// of a real warp (cuda/nms_kernel.cu), the emulation's runs the lanes one after another
+// (cpu/nms_tiled_schedule.cpp). Its operations take a function of the lane (or row) and are collective:
+//   ballot32(pred): the mask of the lanes l in [0, 32) with pred(l);
+//   ballot64(pred): the mask of the rows r in [0, 64) with pred(r) (lane l evaluates rows l and l + 32);
+//   any_or(value): the OR of value(l) over the lanes;
+//   leader_or(word, bits): one lane ORs bits into *word, atomically.
+// Everything outside those functions is the same on every lane (warp-uniform), so the collectives are safe.
+
+// The rows of a 64-row block still open when its turn comes: those not decided before (`suppressed`), of the
+// first `rows` rows.
+LB_HOST_DEVICE uint64_t open_rows(uint64_t suppressed, int rows) {
+  const uint64_t present = rows >= kWordBits ? ~uint64_t{0} : (uint64_t{1} << rows) - 1;
+  return present & ~suppressed;
+}
+
+// The greedy pass over one 64-row block, in rounds. `cols[r]` holds the earlier rows of the block that suppress
+// row r; `open` the rows not yet decided. In a round, an open row none of whose suppressors is open or kept is
+// kept, and an open row with a kept suppressor (kept before or in this round) is suppressed. The lowest open row
+// is decided in every round, so the rounds end, and each row gets the sequential pass's answer: it is kept
+// exactly when no kept earlier row suppresses it. A round is two ballots of the warp (`ballot(pred)`: the
+// 64-bit mask of the rows r for which pred(r) holds); the rounds follow the longest chain of suppressions in the
+// block, not the rows. Returns the kept rows.
+template <typename Warp>
+LB_HOST_DEVICE uint64_t resolve_block(const uint64_t* cols, uint64_t open, const Warp& warp) {
+  uint64_t kept = 0;
+  while (open != 0) {
+    LB_COST(2);
+    const uint64_t undecided = open, before = kept;
+    const uint64_t keep_now = warp.ballot64(
+        [&](int r) { return ((undecided >> r) & 1) != 0 && (cols[r] & (undecided | before)) == 0; });
+    const uint64_t kept_now = before | keep_now;
+    const uint64_t lose_now =
+        warp.ballot64([&](int r) { return ((undecided >> r) & 1) != 0 && (cols[r] & kept_now) != 0; });
+    kept = kept_now;
+    open &= ~(keep_now | lose_now);
   }
-  return count;
+  return kept;
 }
 
 // ---- one image's arrays, and the steps over them ----------------------------------------------------------------
@@ -281,10 +309,11 @@ struct Image {
   int64_t* classes;         // [n], by position; nullptr: one class
   T* block_region;          // [words, 4]
   int64_t* block_classes;   // [words, 2]
+  int super_blocks;         // blocks per super-block (1 to 64)
   T* super_region;          // [supers, 4]
   int64_t* super_classes;   // [supers, 2]
   uint64_t* removed;        // [words], by position
-  uint64_t* tile_masks;     // [n, tile words]: each row's mask of the later rows of its tile (step 1a)
+  uint64_t* tile_masks;     // [tiles, tile words, tile rows]: the rows' masks within their tile (step 1a)
   int64_t* counters;        // [kCounters]
   int32_t* tile_kept;       // [tile rows]: the kept rows of the current tile
   int64_t* keep;            // [capacity]: input indices of the kept boxes, by decreasing score
@@ -352,73 +381,166 @@ LB_HOST_DEVICE void bound_block(const Image<T>& im, int64_t blk) {
 
 template <typename T>
 LB_HOST_DEVICE void bound_super(const Image<T>& im, int64_t s) {
-  const int64_t count = min_of(int64_t{kSuperBlocks}, num_words(im.n) - s * kSuperBlocks);
+  const int64_t count = min_of(int64_t{im.super_blocks}, num_words(im.n) - s * im.super_blocks);
   const int64_t* classes = im.classes == nullptr ? nullptr : im.block_classes;
-  bound_groups(im.block_region, classes, 2, s * kSuperBlocks, count, im.super_region + 4 * s,
+  bound_groups(im.block_region, classes, 2, s * im.super_blocks, count, im.super_region + 4 * s,
                im.super_classes + 2 * s);
 }
 
-// Step 1a, for every tile at once (no tile depends on another here): word w of the mask of the box of rank r,
-// the later boxes of its tile that it suppresses. Boxes decided before their tile get bits too: the pass never
-// reads a decided row, and bits for a decided column change nothing.
-template <typename T>
-LB_HOST_DEVICE void mask_word(const Image<T>& im, int tile_rows, int64_t r, int w, T thr, T off) {
-  const int64_t first = r - r % tile_rows;
-  const int64_t end = min_of(im.n, first + tile_rows);
-  const int words = tile_words(tile_rows);
-  const T* a = im.sorted_boxes + 4 * r;
-  const T area_a = area_of(a, off);
-  const bool by_class = im.sorted_classes != nullptr;
-  uint64_t bits = 0;
-  const int64_t last = min_of(end, first + int64_t{kWordBits} * (w + 1));
-  for (int64_t c = max_of(r + 1, first + int64_t{kWordBits} * w); c < last; ++c) {
-    if (by_class && im.sorted_classes[c] != im.sorted_classes[r]) continue;
-    const T* b = im.sorted_boxes + 4 * c;
-    if (suppresses(a, area_a, b, area_of(b, off), thr, off)) bits |= uint64_t{1} << ((c - first) & 63);
-  }
-  im.tile_masks[r * words + w] = bits;
+// The tile masks, for every tile at once (step 1a; no tile depends on another here). Per tile, a word-major
+// [words, tile_rows] array (index `mask_index`): word w of row r holds, for w past r's own 64-row block, the
+// rows of block w that r suppresses (later rows, so only w >= r's block is ever non-zero), and for w = r's own
+// block the transposed relation, the earlier rows of the block that suppress r (the tile kernel's `cols`). Rows
+// decided before their tile get bits too: the pass never reads a decided row, and bits for a decided column
+// change nothing. Thread i writes entry i (consecutive threads, consecutive rows: coalesced).
+LB_HOST_DEVICE int64_t mask_index(int tile_rows, int64_t r, int w) {
+  const int64_t row = r % tile_rows;
+  return (r - row) * tile_words(tile_rows) + int64_t{w} * tile_rows + row;
 }
 
-// Step 1b, thread t of the tile starting at rank `first`: its row's mask staged in shared memory, and whether
-// the row is decided. `tile.decided` must be zero before.
 template <typename T>
-LB_HOST_DEVICE void load_tile_row(const Image<T>& im, const Tile& tile, int tile_rows, int64_t first, int t) {
+LB_HOST_DEVICE void mask_word(const Image<T>& im, int tile_rows, int64_t i, T thr, T off) {
+  const int64_t per_tile = int64_t{tile_words(tile_rows)} * tile_rows;
+  const int64_t first = i / per_tile * tile_rows;
+  const int w = static_cast<int>(i % per_tile / tile_rows);
+  const int64_t r = first + i % tile_rows;
+  const int64_t own = (r - first) / kWordBits;
+  uint64_t bits = 0;
+  if (r < im.n && w >= own) {
+    const bool by_class = im.sorted_classes != nullptr;
+    const T* a = im.sorted_boxes + 4 * r;
+    const T area_a = area_of(a, off);
+    const int64_t begin = first + int64_t{kWordBits} * w, end = min_of(im.n, begin + kWordBits);
+    for (int64_t c = begin; c < (w == own ? r : end); ++c) {  // own block: the earlier rows suppressing r
+      LB_COST(1);
+      if (by_class && im.sorted_classes[c] != im.sorted_classes[r]) continue;
+      const T* b = im.sorted_boxes + 4 * c;
+      const bool hit = w == own ? suppresses(b, area_of(b, off), a, area_a, thr, off)
+                                : suppresses(a, area_a, b, area_of(b, off), thr, off);
+      if (hit) bits |= uint64_t{1} << (c & 63);
+    }
+  }
+  im.tile_masks[i] = bits;
+}
+
+// The tile kernel's shared state (cuda/nms_kernel.cu): the tile's rows are boxes first .. first + rows - 1 of
+// the score order, each row r a thread r (of tile_rows). Thread t also holds, in `m`, word t / 64 of the rows
+// t % 64, 64 + t % 64, ... (one per 64-row block), the suppression it ORs in when its block's rows are kept.
+struct TileState {
+  int tile_rows, rows;
+  uint64_t* cols;        // [tile_rows]: the earlier rows of its 64-row block that suppress row r
+  uint64_t* suppressed;  // [words]: rows decided (before the tile, or suppressed by a kept row of the tile)
+  uint64_t* kept;        // [words]: the kept rows, block by block
+  int64_t base;          // kept boxes before the tile
+};
+
+// Phase 1, thread t: its masks, its row's column and whether its row is decided. `suppressed` must be zero.
+template <typename T>
+LB_HOST_DEVICE void load_tile_thread(const Image<T>& im, const TileState& tile, int64_t first, int t, uint64_t* m) {
+  const int words = tile_words(tile.tile_rows), lane = t % kWordBits, word = t / kWordBits;
+  LB_COST(words);
+  for (int w = 0; w < words; ++w) {
+    const int row = w * kWordBits + lane;
+    m[w] = row < tile.rows ? im.tile_masks[mask_index(tile.tile_rows, first + row, word)] : 0;
+  }
   if (t >= tile.rows) return;
   const int64_t r = first + t;
-  const int words = tile_words(tile.rows), stride = tile_words(tile_rows);
-  for (int w = 0; w < words; ++w) tile.mask[t * words + w] = im.tile_masks[r * stride + w];
+  tile.cols[t] = im.tile_masks[mask_index(tile.tile_rows, r, word)];
   const bool decided = (im.padding != nullptr && im.padding[r]) ||
                        (im.removed != nullptr && test_bit(im.removed, im.position[r]));
-  if (decided) or_word(&tile.decided[t >> 6], uint64_t{1} << (t & 63));
+  if (decided) or_word(&tile.suppressed[word], uint64_t{1} << lane);
 }
 
-// Step 1, one thread, after every row's mask: the pass, the kept boxes appended to the output (up to its
-// capacity; all are counted), and the tile's kept rows for step 2.
+// Phase 2 of block w, thread t, after the block's rows are resolved: the bits of the later word t / 64 that
+// its row w * 64 + t % 64 suppresses, when that row is kept (the kernel ORs them over a warp, then into
+// `suppressed`).
+LB_HOST_DEVICE uint64_t kept_row_suppression(const TileState& tile, int w, int t, const uint64_t* m) {
+  const int lane = t % kWordBits, word = t / kWordBits;
+  return word > w && ((tile.kept[w] >> lane) & 1) != 0 ? m[w] : 0;
+}
+
+// Last phase, thread t: its row is decided (step 2 and later tiles skip it); a kept row goes to the output (up
+// to its capacity; all are counted) and to the tile's kept rows for step 2, in score order.
 template <typename T>
-LB_HOST_DEVICE void resolve_tile(const Image<T>& im, const Tile& tile, int64_t first) {
-  const int count = tile_pass(tile, im.tile_kept);
-  int64_t kept = im.counters[kKept];
-  for (int k = 0; k < count; ++k, ++kept) {
-    if (kept < im.capacity) im.keep[kept] = im.order[first + im.tile_kept[k]];
+LB_HOST_DEVICE void finish_tile_row(const Image<T>& im, const TileState& tile, int64_t first, int t) {
+  const int words = tile_words(tile.rows);
+  if (t == 0) {
+    int total = 0;
+    LB_COST(words);
+    for (int w = 0; w < words; ++w) total += popcount(tile.kept[w]);
+    im.counters[kKept] = tile.base + total;
+    im.counters[kTileKept] = total;
   }
-  im.counters[kKept] = kept;
-  im.counters[kTileKept] = count;
+  if (t >= tile.rows) return;
+  const int64_t r = first + t;
+  if (im.removed != nullptr) {
+    const int64_t p = im.position[r];
+    or_word(&im.removed[p >> 6], uint64_t{1} << (p & 63));
+  }
+  const int word = t / kWordBits, lane = t % kWordBits;
+  if (((tile.kept[word] >> lane) & 1) == 0) return;
+  int k = popcount(tile.kept[word] & ((uint64_t{1} << lane) - 1));
+  LB_COST(word);
+  for (int w = 0; w < word; ++w) k += popcount(tile.kept[w]);
+  im.tile_kept[k] = t;
+  if (tile.base + k < im.capacity) im.keep[tile.base + k] = im.order[r];
 }
 
-// Step 1, thread t, after the pass: its row is decided, so step 2 and later tiles skip it.
-template <typename T>
-LB_HOST_DEVICE void mark_tile_row(const Image<T>& im, const Tile& tile, int64_t first, int t) {
-  if (t >= tile.rows || im.removed == nullptr) return;
-  const int64_t p = im.position[first + t];
-  or_word(&im.removed[p >> 6], uint64_t{1} << (p & 63));
-}
-
-// Step 2 for the k-th kept row of the tile starting at rank `first`.
-template <typename T>
-LB_HOST_DEVICE void propagate_kept(const Image<T>& im, int64_t first, int64_t k, T thr, T off) {
-  if (k >= im.counters[kTileKept]) return;
-  const int64_t r = first + im.tile_kept[k];
-  propagate(im.index(), im.sorted_boxes + 4 * r, im.sorted_classes == nullptr ? 0 : im.sorted_classes[r], thr, off);
+// Step 2 for the tile starting at rank `first`, warp `w` of `warps`: the pairs (kept row of the tile,
+// super-block), 32 at a time, one per lane, tested against the super-block's region and classes; for each pair
+// that may overlap, the warp tests the super-block's 64 blocks (a ballot) and, for each open block that may
+// overlap, the block's 64 boxes (2 per lane), marking in `removed` the undecided boxes the kept row suppresses.
+// Only kept rows suppress, and the spatial index prunes the pairs before any IoU is computed.
+template <typename T, typename Warp>
+LB_HOST_DEVICE void propagate_kept(const Image<T>& im, int64_t first, int64_t w, int64_t warps, const Warp& warp,
+                                   T thr, T off) {
+  const SpatialIndex<T> index = im.index();
+  const int64_t kept = im.counters[kTileKept];
+  const int64_t blocks = num_words(im.n), supers = num_supers(im.n, im.super_blocks), pairs = kept * supers;
+  const bool by_class = index.classes != nullptr;
+  // Pair p is (kept row p % kept, super-block p / kept): the 32 pairs of a warp are mostly 32 kept rows, which
+  // lie apart in space, so the pairs that overlap spread over the warps.
+  const auto kept_row = [&](int64_t pair) { return first + im.tile_kept[pair % kept]; };
+  const auto class_of = [&](int64_t r) { return by_class ? im.sorted_classes[r] : int64_t{0}; };
+  for (int64_t begin = w * 32; begin < pairs; begin += warps * 32) {
+    LB_COST(1);
+    uint64_t hits = warp.ballot32([&](int lane) {
+      const int64_t pair = begin + lane;
+      if (pair >= pairs) return false;
+      const int64_t r = kept_row(pair), s = pair / kept;
+      return may_overlap(im.sorted_boxes + 4 * r, index.super_region + 4 * s, off) &&
+             (!by_class || class_in(index.super_classes + 2 * s, class_of(r)));
+    });
+    while (hits != 0) {
+      LB_COST(1);
+      const int64_t pair = begin + pop_lowest(hits);
+      const int64_t r = kept_row(pair), s = pair / kept, cls = class_of(r);
+      const T* a = im.sorted_boxes + 4 * r;
+      const T area_a = area_of(a, off);
+      uint64_t open = warp.ballot64([&](int k) {
+        const int64_t blk = s * im.super_blocks + k;
+        return k < im.super_blocks && blk < blocks && index.removed[blk] != ~uint64_t{0} &&
+               may_overlap(a, index.block_region + 4 * blk, off) &&
+               (!by_class || class_in(index.block_classes + 2 * blk, cls));
+      });
+      while (open != 0) {
+        LB_COST(3 + kWarpReduceSteps);  // a ballot, 2 boxes per lane, the OR over the warp
+        const int64_t blk = s * im.super_blocks + pop_lowest(open);
+        const uint64_t bits = warp.any_or([&](int lane) {
+          const uint64_t decided = index.removed[blk];  // a stale read only costs work
+          uint64_t mine = 0;
+          for (int k = lane; k < kWordBits; k += 32) {
+            const int64_t j = blk * kWordBits + k;
+            if (((decided >> k) & 1) != 0 || (by_class && index.classes[j] != cls)) continue;
+            const T* b = index.boxes + 4 * j;
+            if (suppresses(a, area_a, b, area_of(b, off), thr, off)) mine |= uint64_t{1} << k;
+          }
+          return mine;
+        });
+        if (bits != 0) warp.leader_or(&index.removed[blk], bits);
+      }
+    }
+  }
 }
 
 }  // namespace lightning_balanced::nms_tiled

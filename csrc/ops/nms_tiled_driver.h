@@ -1,6 +1,7 @@
 // The sequence of steps of the tiled NMS (nms_tiled.h) over a batch of images, written once for the CUDA
 // kernels and for their CPU emulation. `Launch` runs a step over every (image, index) pair: cuda/nms_kernel.cu
-// launches one kernel per step, cpu/nms_tiled_schedule.cpp loops, one index after another.
+// launches one kernel per step, cpu/nms_tiled_schedule.cpp loops, one index after another. `Launch::warps`
+// runs a warp-level step (see `Warp` in nms_tiled.h) once per warp.
 //
 // Fixed shapes and no host sync: the number of tiles depends on N only, the counts stay on the device, and
 // the kept indices go to a [B, capacity] output filled with -1. The unpadded ops read the counts back once.
@@ -23,17 +24,24 @@
 
 namespace lightning_balanced::nms_tiled {
 
-// Scratch is linear in the boxes: about 32 values of the compute type and 144 bytes more per box (sorted and
-// spatial copies, orders, codes, sort buffers, the tile masks). A call that would need more is refused, naming
-// the limit.
+// Scratch is linear in the boxes. Per box, at its peak (the tile chain): the score order (8 bytes), the sorted and
+// the spatial copies of the box (2 x 4 values), class ids by rank and by position (2 x 8), the position (8), the
+// output (8) and the tile masks (8 per 64 rows of a tile); before it, the sorts' buffers (torch's) take less.
+// Bounded here by 12 values and 48 + tile words x 8 bytes; a call that would need more than the limit is refused,
+// naming it.
 constexpr int64_t kMaxScratchBytes = int64_t{2} << 30;  // 2 GiB
 
-inline int64_t scratch_bytes(int64_t boxes, int64_t value_bytes) { return boxes * (32 * value_bytes + 144); }
+inline int64_t scratch_bytes(int64_t boxes, int64_t value_bytes, int tile_rows) {
+  return boxes * (12 * value_bytes + 48 + 8 * int64_t{tile_words(tile_rows)});
+}
+
+// The rows of the tiles covering n boxes.
+LB_HOST_DEVICE int64_t padded_rows(int64_t n, int tile_rows) { return (n + tile_rows - 1) / tile_rows * tile_rows; }
 
 // Image b's arrays within the batch's (each array holds B images back to back).
 template <typename T>
 LB_HOST_DEVICE Image<T> image_at(const Image<T>& batch, int64_t b, int tile_rows) {
-  const int64_t n = batch.n, words = num_words(n), supers = num_supers(n);
+  const int64_t n = batch.n, words = num_words(n), supers = num_supers(n, batch.super_blocks);
   auto shift = [b](auto* p, int64_t size) { return p == nullptr ? p : p + b * size; };
   Image<T> im = batch;
   im.order = shift(batch.order, n);
@@ -50,7 +58,7 @@ LB_HOST_DEVICE Image<T> image_at(const Image<T>& batch, int64_t b, int tile_rows
   im.super_region = shift(batch.super_region, 4 * supers);
   im.super_classes = shift(batch.super_classes, 2 * supers);
   im.removed = shift(batch.removed, words);
-  im.tile_masks = shift(batch.tile_masks, n * tile_words(tile_rows));
+  im.tile_masks = shift(batch.tile_masks, padded_rows(n, tile_rows) * tile_words(tile_rows));
   im.counters = shift(batch.counters, int64_t{kCounters});
   im.tile_kept = shift(batch.tile_kept, int64_t{tile_rows});
   im.keep = shift(batch.keep, batch.capacity);
@@ -79,8 +87,7 @@ struct MaskStep {
   int tile_rows;
   T thr, off;
   LB_HOST_DEVICE void operator()(int64_t b, int64_t i) const {
-    const int words = tile_words(tile_rows);
-    mask_word(image_at(batch, b, tile_rows), tile_rows, i / words, static_cast<int>(i % words), thr, off);
+    mask_word(image_at(batch, b, tile_rows), tile_rows, i, thr, off);
   }
 };
 
@@ -109,10 +116,11 @@ template <typename T>
 struct PropagateStep {
   Image<T> batch;
   int tile_rows;
-  int64_t first;
+  int64_t first, warps;
   T thr, off;
-  LB_HOST_DEVICE void operator()(int64_t b, int64_t k) const {
-    propagate_kept(image_at(batch, b, tile_rows), first, k, thr, off);
+  template <typename Warp>
+  LB_HOST_DEVICE void operator()(int64_t b, int64_t w, const Warp& warp) const {
+    propagate_kept(image_at(batch, b, tile_rows), first, w, warps, warp, thr, off);
   }
 };
 
@@ -126,37 +134,46 @@ struct TiledInput {
   int64_t capacity;  // kept indices stored per image
 };
 
-// Runs the tiled NMS; returns the kept input indices [B, capacity] (by decreasing score, -1 after the last)
-// and the counters [B, kCounters] (int64).
+// Runs the tiled NMS with tiles of `tile_rows` rows (a multiple of 64) and step 2 over at most
+// `propagate_warps` warps per image; returns the kept input indices [B, capacity] (by decreasing score, -1
+// after the last) and the counters [B, kCounters] (int64).
 template <typename Launch>
-std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in, int tile_rows) {
+std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in, int tile_rows,
+                                            int64_t propagate_warps) {
   const int64_t batch = in.boxes.size(0), n = in.boxes.size(1);
   const bool is_double = in.boxes.scalar_type() == at::kDouble;
   const auto compute = is_double ? at::kDouble : at::kFloat;
-  const int64_t bytes = scratch_bytes(batch * n, is_double ? 8 : 4);
+  const int64_t bytes = scratch_bytes(batch * n, is_double ? 8 : 4, tile_rows);
   TORCH_CHECK_VALUE(bytes <= kMaxScratchBytes, op, ": ", batch * n, " boxes need ", (bytes >> 20),
                     " MiB of scratch memory, over the limit of ", (kMaxScratchBytes >> 20), " MiB per call (about ",
-                    kMaxScratchBytes / scratch_bytes(1, is_double ? 8 : 4), " boxes); split the input");
+                    kMaxScratchBytes / scratch_bytes(1, is_double ? 8 : 4, tile_rows), " boxes); split the input");
   const auto longs = in.boxes.options().dtype(at::kLong);
   at::Tensor keep = at::full({batch, in.capacity}, -1, longs);
   at::Tensor counters = at::zeros({batch, kCounters}, longs);
   if (n == 0 || batch == 0) return {keep, counters};
 
+  Launch::library(batch * n);  // the stable sort by score
   const at::Tensor order = std::get<1>(in.scores.to(compute).sort(/*stable=*/true, /*dim=*/1, /*descending=*/true));
   const bool by_class = in.classes.defined();
   const bool tiled = n > tile_rows;
-  const int64_t words = num_words(n), supers = num_supers(n);
+  // Super-blocks as small as step 2's warps allow (their pairs with a full tile's kept rows, 32 per warp): the
+  // smaller, the fewer blocks a pair that overlaps makes a warp test.
+  int super_blocks = 1;
+  while (super_blocks < kMaxSuperBlocks && tile_rows * num_supers(n, super_blocks) > 32 * propagate_warps) {
+    super_blocks *= 2;
+  }
+  const int64_t words = num_words(n), supers = num_supers(n, super_blocks);
   at::Tensor sorted_boxes = at::empty({batch, n, 4}, in.boxes.options().dtype(compute));
   at::Tensor sorted_classes = by_class ? at::empty({batch, n}, longs) : at::Tensor();
   at::Tensor padding = in.padded ? at::empty({batch, n}, longs.dtype(at::kByte)) : at::Tensor();
   at::Tensor codes = tiled ? at::empty({batch, n}, longs) : at::Tensor();
   at::Tensor tile_kept = at::empty({batch, tile_rows}, longs.dtype(at::kInt));
-  at::Tensor tile_masks = at::empty({batch, n, tile_words(tile_rows)}, longs);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.boxes.scalar_type(), "lightning_balanced_nms_tiled", [&] {
     using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     Image<T> im{};
     im.n = n;
+    im.super_blocks = super_blocks;
     im.order = order.const_data_ptr<int64_t>();
     im.sorted_boxes = sorted_boxes.mutable_data_ptr<T>();
     im.sorted_classes = by_class ? sorted_classes.mutable_data_ptr<int64_t>() : nullptr;
@@ -166,7 +183,6 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
     im.tile_kept = tile_kept.mutable_data_ptr<int32_t>();
     im.keep = keep.mutable_data_ptr<int64_t>();
     im.capacity = in.capacity;
-    im.tile_masks = reinterpret_cast<uint64_t*>(tile_masks.mutable_data_ptr<int64_t>());
     const ImageInput<scalar_t> input{in.boxes.const_data_ptr<scalar_t>(),
                                      in.boxes.stride(1),
                                      in.boxes.stride(2),
@@ -176,15 +192,17 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
                                      in.padded};
     Launch::each(batch, n, PrepareStep<T, scalar_t>{im, input, in.boxes.stride(0), in.scores.stride(0), tile_rows});
 
-    at::Tensor spatial_order, position, boxes, classes, block_region, block_classes, super_region, super_classes,
-        removed;
+    at::Tensor position, boxes, classes, block_region, block_classes, super_region, super_classes, removed;
     if (tiled) {
-      spatial_order = std::get<1>(codes.sort(/*stable=*/true, /*dim=*/1, /*descending=*/false));
+      Launch::library(batch * n);  // the sort by Morton code
+      at::Tensor spatial_order = std::get<1>(codes.sort(/*stable=*/true, /*dim=*/1, /*descending=*/false));
       if (by_class) {  // class-major, Morton order within a class
+        Launch::library(batch * n);
         const at::Tensor by_position = sorted_classes.gather(1, spatial_order);
         spatial_order = spatial_order.gather(1, std::get<1>(by_position.sort(true, 1, false)));
       }
       spatial_order = spatial_order.contiguous();
+      codes.reset();  // freed before the tile masks, the largest array
       position = at::empty({batch, n}, longs);
       boxes = at::empty({batch, n, 4}, sorted_boxes.options());
       classes = by_class ? at::empty({batch, n}, longs) : at::Tensor();
@@ -203,15 +221,23 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
       im.super_classes = super_classes.mutable_data_ptr<int64_t>();
       im.removed = reinterpret_cast<uint64_t*>(removed.mutable_data_ptr<int64_t>());
       Launch::each(batch, n, PlaceStep<T>{im, tile_rows});
+      im.spatial_order = nullptr;  // read by PlaceStep only; freed at the end of this block
       Launch::each(batch, words, BlockStep<T>{im, tile_rows});
       Launch::each(batch, supers, SuperStep<T>{im, tile_rows});
     }
+    const int64_t mask_entries = padded_rows(n, tile_rows) * tile_words(tile_rows);
+    const at::Tensor tile_masks = at::empty({batch, mask_entries}, longs);
+    im.tile_masks = reinterpret_cast<uint64_t*>(tile_masks.mutable_data_ptr<int64_t>());
     const T thr = static_cast<T>(in.iou_threshold), off = static_cast<T>(in.offset);
-    Launch::each(batch, n * tile_words(tile_rows), MaskStep<T>{im, tile_rows, thr, off});
+    Launch::each(batch, mask_entries, MaskStep<T>{im, tile_rows, thr, off});
+    // Step 2's warps: one per 32 pairs (kept row, super-block) of a full tile, at most propagate_warps.
+    const int64_t step2_warps = std::min<int64_t>(propagate_warps, (tile_rows * supers + 31) / 32);
     for (int64_t first = 0; first < n; first += tile_rows) {
       const int rows = static_cast<int>(std::min<int64_t>(tile_rows, n - first));
       Launch::template tile<T>(im, batch, tile_rows, first, rows);
-      if (first + tile_rows < n) Launch::each(batch, tile_rows, PropagateStep<T>{im, tile_rows, first, thr, off});
+      if (first + tile_rows < n) {
+        Launch::warps(batch, step2_warps, PropagateStep<T>{im, tile_rows, first, step2_warps, thr, off});
+      }
     }
   });
   return {keep, counters};

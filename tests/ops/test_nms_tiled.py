@@ -1,9 +1,14 @@
 """The CUDA kernels' tiled NMS, run on the CPU by its emulation ``_nms_tiled_schedule`` (csrc/ops/nms_tiled.h).
 
-The emulation runs the kernels' steps (csrc/ops/nms_tiled_driver.h) in their order; small tiles give many tiles and
-many 64-box blocks at sizes the reference can check, so every path of the algorithm the GPU runs is exercised here:
-the tile pass, the propagation through the spatial index, block and super-block skipping, classes and padding.
-Exactness: the kept indices equal the reference's exactly (the arithmetic is the same, rounded to nearest).
+The emulation runs the kernels' steps (csrc/ops/nms_tiled_driver.h) in their order, and the warp-level code with
+its 32 lanes one after another; small tiles give many tiles and many 64-box blocks at sizes the reference can check,
+and few step-2 warps make each warp take many pairs, so every path of the algorithm the GPU runs is exercised here:
+the tile pass in rounds, the propagation through the spatial index, block and super-block skipping, classes and
+padding. Exactness: the kept indices equal the reference's exactly (the arithmetic is the same, rounded to nearest).
+
+The emulation also reports the cost model of the GPU's schedule, a row per launch (kind, parallel width, serial
+depth: the most loop iterations any thread, or warp, runs); the tests below bound it, so the parallelism of the
+algorithm is checked without a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from tests.ops.test_nms import HYPOTHESIS, THRESHOLDS, _random_boxes, box_sets
 pytestmark = RunIf(compiled_ops=True)
 
 KEPT, TILE_KEPT, BAD_SCORE, BAD_BOX = range(4)
+STEP_KERNEL, TILE_KERNEL, TORCH_OP = range(3)
+GPU_TILE_ROWS = 1024  # cuda/nms_kernel.cu's kTileRows
 LAYOUTS = ["uniform", "clustered", "heavy_tailed", "mixed_sizes", "few_large", "degenerate_mix", "tiny"]
 
 
@@ -32,17 +39,23 @@ def _tiled(
     tile_rows: int = 64,
     padded: bool = False,
     capacity: int | None = None,
+    warps: int = 3,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The emulation on a batch: ``keep [B, capacity]`` and ``counters [B, 4]``."""
-    capacity = boxes.shape[1] if capacity is None else capacity
-    schedule = torch.ops.lightning_balanced._nms_tiled_schedule
-    keep, counters = schedule(boxes, scores, idxs, iou_threshold, offset, padded, capacity, tile_rows)
+    keep, counters, _ = _schedule(boxes, scores, idxs, iou_threshold, offset, tile_rows, padded, capacity, warps)
     return keep, counters
 
 
-def _tiled_single(boxes, scores, idxs, iou_threshold, offset=0, tile_rows=64) -> torch.Tensor:
+def _schedule(boxes, scores, idxs, iou_threshold, offset=0, tile_rows=64, padded=False, capacity=None, warps=3):
+    """``keep``, ``counters`` and the cost model ``steps [launches, 3]`` (kind, width, depth)."""
+    capacity = boxes.shape[1] if capacity is None else capacity
+    schedule = torch.ops.lightning_balanced._nms_tiled_schedule
+    return schedule(boxes, scores, idxs, iou_threshold, offset, padded, capacity, tile_rows, warps)
+
+
+def _tiled_single(boxes, scores, idxs, iou_threshold, offset=0, tile_rows=64, warps=3) -> torch.Tensor:
     keep, counters = _tiled(
-        boxes[None], scores[None], None if idxs is None else idxs[None], iou_threshold, offset, tile_rows
+        boxes[None], scores[None], None if idxs is None else idxs[None], iou_threshold, offset, tile_rows, warps=warps
     )
     assert counters[0, BAD_SCORE] == 0 and counters[0, BAD_BOX] == 0
     assert (keep[0, counters[0, KEPT] :] == -1).all()
@@ -69,26 +82,27 @@ def _cpu_kernel(boxes, scores, idxs, iou_threshold, offset=0) -> torch.Tensor:
     offset=st.sampled_from([0, 1]),
     tile_rows=st.sampled_from([64, 128]),
     classes=st.sampled_from([0, 1, 3]),
+    warps=st.sampled_from([1, 3, 8192]),  # 8192: super-blocks of one block; 1: of 64, many pairs per warp
 )
 @pytest.mark.slow
-def test_tiled_schedule_matches_the_reference(data, iou_threshold, offset, tile_rows, classes) -> None:
+def test_tiled_schedule_matches_the_reference(data, iou_threshold, offset, tile_rows, classes, warps) -> None:
     boxes, scores = data
     idxs = None if classes == 0 else (torch.arange(boxes.shape[0]) * 7 % classes) - 1
     expected = _reference(boxes, scores, idxs, iou_threshold, offset)
-    assert torch.equal(_tiled_single(boxes, scores, idxs, iou_threshold, offset, tile_rows), expected)
+    assert torch.equal(_tiled_single(boxes, scores, idxs, iou_threshold, offset, tile_rows, warps), expected)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 @pytest.mark.parametrize("by_class", [False, True], ids=["nms", "batched"])
 def test_tiled_schedule_on_many_tiles_and_blocks(layout: str, dtype: torch.dtype, by_class: bool) -> None:
-    """5,000 boxes: 79 tiles of 64 rows, 79 blocks, 2 super-blocks; and the GPU's own tile sizes."""
+    """5,000 boxes: 79 tiles of 64 rows, 79 blocks, 2 super-blocks; and the GPU's own tile and step-2 sizes."""
     boxes, scores = _random_boxes(3, 5000, layout, dtype)
     idxs = torch.randint(-2, 5, (5000,), generator=torch.Generator().manual_seed(1)) if by_class else None
     for iou_threshold in (0.0, 0.5, 1.0):
         expected = _cpu_kernel(boxes, scores, idxs, iou_threshold)
-        for tile_rows in (64, 512):
-            assert torch.equal(_tiled_single(boxes, scores, idxs, iou_threshold, 0, tile_rows), expected)
+        for tile_rows, warps in ((64, 3), (GPU_TILE_ROWS, 8192)):
+            assert torch.equal(_tiled_single(boxes, scores, idxs, iou_threshold, 0, tile_rows, warps), expected)
 
 
 def test_tiled_schedule_on_duplicates_and_ties() -> None:
@@ -135,14 +149,14 @@ def test_tiled_schedule_flags_non_finite_values(where: str, value: float, flag: 
 
 
 def test_tiled_schedule_refuses_a_call_over_its_scratch_limit_naming_it() -> None:
-    boxes = torch.zeros(1, 1, 4).expand(1, 11_000_000, 4)  # a view: nothing is allocated before the check
-    scores = torch.zeros(1, 1).expand(1, 11_000_000)
+    boxes = torch.zeros(1, 1, 4).expand(1, 10_000_000, 4)  # a view: nothing is allocated before the check
+    scores = torch.zeros(1, 1).expand(1, 10_000_000)
     message = (
-        "_nms_tiled_schedule: 11000000 boxes need 2853 MiB of scratch memory, over the limit of 2048 MiB per call "
-        "(about 7895160 boxes); split the input"
+        "_nms_tiled_schedule: 10000000 boxes need 2136 MiB of scratch memory, over the limit of 2048 MiB per call "
+        "(about 9586980 boxes); split the input"
     )
     with raises_exactly(ValueError, message):
-        _tiled(boxes, scores, None, 0.5)
+        _tiled(boxes, scores, None, 0.5, tile_rows=GPU_TILE_ROWS)
 
 
 @settings(HYPOTHESIS, max_examples=60)
@@ -150,6 +164,7 @@ def test_tiled_schedule_refuses_a_call_over_its_scratch_limit_naming_it() -> Non
     seed=st.integers(0, 2**16), n=st.integers(0, 400), images=st.integers(1, 4), tile_rows=st.sampled_from([64, 192])
 )
 def test_tiled_schedule_on_a_batch_equals_each_image_alone(seed: int, n: int, images: int, tile_rows: int) -> None:
+    """Also a tile of 192 rows: 3 blocks of 64, warp 0 resolving each in turn."""
     gen = torch.Generator().manual_seed(seed)
     xy = torch.rand(images, n, 2, generator=gen) * 100
     boxes = torch.cat([xy, xy + torch.rand(images, n, 2, generator=gen) * 30], dim=2)
@@ -158,3 +173,45 @@ def test_tiled_schedule_on_a_batch_equals_each_image_alone(seed: int, n: int, im
     keep, counters = _tiled(boxes, scores, idxs, 0.4, tile_rows=tile_rows)
     for b in range(images):
         assert torch.equal(keep[b, : counters[b, KEPT]], batched_nms(boxes[b], scores[b], idxs[b], 0.4))
+
+
+def test_a_chain_of_suppressions_takes_rounds_and_gives_the_greedy_answer() -> None:
+    """Box i overlaps only boxes i - 1 and i + 1 (IoU 1/3): the greedy pass keeps every other box. Within a 64-row
+    block each round decides the next link of the chain, the worst case of the rounds."""
+    n = 3000
+    x = torch.arange(n, dtype=torch.float64)
+    boxes = torch.stack([x, torch.zeros(n), x + 2, torch.ones(n)], dim=1)
+    scores = torch.linspace(1, 0, n, dtype=torch.float64)
+    expected = torch.arange(0, n, 2)
+    assert torch.equal(nms_reference(boxes, scores, 0.3), expected)
+    for tile_rows, warps in ((64, 3), (GPU_TILE_ROWS, 8192)):
+        assert torch.equal(_tiled_single(boxes, scores, None, 0.3, 0, tile_rows, warps), expected)
+
+
+@pytest.mark.parametrize("layout", ["uniform", "few_large"])
+@pytest.mark.parametrize("by_class", [False, True], ids=["nms", "batched"])
+def test_the_gpu_schedule_at_100k_boxes_is_wide_and_shallow(layout: str, by_class: bool) -> None:
+    """The cost model of the GPU's schedule (1024-row tiles, 8192 step-2 warps) on 100,000 boxes.
+
+    - Launches: 2 per tile (its pass, then its kept rows' suppression of later boxes), and a few before.
+    - No step narrower than 10,000 threads runs more than 64 serial steps, except the tile kernels (one CTA of 1024
+      threads per image), which run in rounds: at most 256 steps, against the 1,024 rows a one-thread pass walks.
+    - The critical path (the serial steps of all launches, one after another) is under 150,000; the kernel before
+      this one ran 277,000 to 882,000 on the workloads of benchmarks/bench_nms_cuda.py.
+    The bounds leave about 1.5x room over what was measured.
+    """
+    n = 100_000
+    boxes, scores = _random_boxes(3, n, layout, torch.float32)
+    idxs = torch.randint(0, 80, (n,), generator=torch.Generator().manual_seed(0)) if by_class else None
+    keep, counters, steps = _schedule(
+        boxes[None], scores[None], None if idxs is None else idxs[None], 0.5, tile_rows=GPU_TILE_ROWS, warps=8192
+    )
+    assert torch.equal(keep[0, : counters[0, KEPT]], _cpu_kernel(boxes, scores, idxs, 0.5))
+    kind, width, depth = steps.T
+    tiles = -(-n // GPU_TILE_ROWS)
+    assert int((kind == TILE_KERNEL).sum()) == tiles
+    assert len(steps) <= 2 * tiles + 8
+    narrow_steps = (kind == STEP_KERNEL) & (width < 10_000)
+    assert int(depth[narrow_steps].max()) <= 64
+    assert int(depth[kind == TILE_KERNEL].max()) <= 256
+    assert int(depth.sum()) < 150_000

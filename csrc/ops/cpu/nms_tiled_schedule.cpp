@@ -4,8 +4,10 @@
 // sizes (many tiles, many blocks), so the algorithm the GPU runs is checked on machines without one.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -17,39 +19,120 @@ namespace {
 
 using namespace lightning_balanced::nms_tiled;
 
+// The cost model of one call: a row per launch the GPU would make, (kind, parallel width, serial depth).
+enum StepKind : int64_t { kStepKernel = 0, kTileKernel = 1, kTorchOp = 2 };
+thread_local std::vector<int64_t>* recorded_steps = nullptr;
+
+void record(StepKind kind, int64_t width, int64_t depth) {
+  if (recorded_steps != nullptr) recorded_steps->insert(recorded_steps->end(), {kind, width, depth});
+}
+
+// The `Warp` of nms_tiled.h, its 32 lanes (and 64 rows) one after another.
+struct HostWarp {
+  template <typename Pred>
+  uint64_t ballot32(const Pred& pred) const {
+    uint64_t bits = 0;
+    for (int lane = 0; lane < 32; ++lane) bits |= uint64_t{pred(lane)} << lane;
+    return bits;
+  }
+  template <typename Pred>
+  uint64_t ballot64(const Pred& pred) const {
+    uint64_t bits = 0;
+    for (int r = 0; r < kWordBits; ++r) bits |= uint64_t{pred(r)} << r;
+    return bits;
+  }
+  template <typename Value>
+  uint64_t any_or(const Value& value) const {
+    uint64_t bits = 0;
+    for (int lane = 0; lane < 32; ++lane) bits |= value(lane);
+    return bits;
+  }
+  void leader_or(uint64_t* word, uint64_t bits) const { *word |= bits; }
+};
+
 struct HostLaunch {
   template <typename F>
   static void each(int64_t batch, int64_t count, const F& step) {
+    if (count == 0 || batch == 0) return;
+    int64_t depth = 0;
     for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t i = 0; i < count; ++i) step(b, i);
+      for (int64_t i = 0; i < count; ++i) {
+        serial_steps() = 0;
+        step(b, i);
+        depth = std::max(depth, serial_steps());
+      }
     }
+    record(kStepKernel, batch * count, depth);
   }
 
-  // tile_kernel of cuda/nms_kernel.cu with `tile_rows` threads, phase by phase.
+  // A warp-level step: each warp one after another, its lanes together (HostWarp); the depth is the warp's.
+  template <typename F>
+  static void warps(int64_t batch, int64_t warps, const F& step) {
+    if (warps == 0 || batch == 0) return;
+    int64_t depth = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t w = 0; w < warps; ++w) {
+        serial_steps() = 0;
+        step(b, w, HostWarp{});
+        depth = std::max(depth, serial_steps());
+      }
+    }
+    record(kStepKernel, batch * warps * 32, depth);
+  }
+
+  // A torch op (a sort, a gather): its launches and depth are torch's, not modelled.
+  static void library(int64_t elements) { record(kTorchOp, elements, 0); }
+
+  // tile_kernel of cuda/nms_kernel.cu with `tile_rows` threads, phase by phase (the phases its __syncthreads()
+  // separate); warp 0's ballots over the rows of a block, one row after another.
   template <typename T>
   static void tile(const Image<T>& batch_image, int64_t batch, int tile_rows, int64_t first, int rows) {
-    const int words = tile_words(tile_rows);
-    std::vector<uint64_t> decided(words), suppressed(words), mask(static_cast<size_t>(tile_rows) * words);
+    const int words = tile_words(tile_rows), used = tile_words(rows);
+    std::vector<uint64_t> cols(tile_rows), suppressed(words), kept(words), m(static_cast<size_t>(tile_rows) * words);
+    int64_t depth = 0;
     for (int64_t b = 0; b < batch; ++b) {
       const Image<T> im = image_at(batch_image, b, tile_rows);
-      const Tile tile{rows, decided.data(), mask.data(), suppressed.data()};
-      for (int t = 0; t < words; ++t) decided[t] = 0;
-      for (int t = 0; t < tile_rows; ++t) load_tile_row(im, tile, tile_rows, first, t);
-      resolve_tile(im, tile, first);
-      for (int t = 0; t < tile_rows; ++t) mark_tile_row(im, tile, first, t);
+      std::fill(suppressed.begin(), suppressed.end(), 0);
+      const TileState tile{tile_rows, rows, cols.data(), suppressed.data(), kept.data(), im.counters[kKept]};
+      int64_t image_depth = phase(tile_rows, [&](int t) { load_tile_thread(im, tile, first, t, &m[t * words]); });
+      for (int w = 0; w < used; ++w) {
+        image_depth += phase(1, [&](int) {
+          kept[w] = resolve_block(&cols[w * kWordBits], open_rows(suppressed[w], rows - w * kWordBits), HostWarp{});
+        });
+        image_depth += phase(tile_rows, [&](int t) {
+          LB_COST(kWarpReduceSteps);  // the kernel's OR over the warp
+          suppressed[t / kWordBits] |= kept_row_suppression(tile, w, t, &m[t * words]);
+        });
+      }
+      image_depth += phase(tile_rows, [&](int t) { finish_tile_row(im, tile, first, t); });
+      depth = std::max(depth, image_depth);
     }
+    record(kTileKernel, batch * tile_rows, depth);
+  }
+
+  // One phase of a CTA (between two __syncthreads): `threads` threads one after another; returns the largest
+  // number of serial steps a thread ran, plus one for the barrier.
+  template <typename F>
+  static int64_t phase(int threads, const F& thread) {
+    int64_t depth = 0;
+    for (int t = 0; t < threads; ++t) {
+      serial_steps() = 0;
+      thread(t);
+      depth = std::max(depth, serial_steps());
+    }
+    return depth + 1;
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> nms_tiled_schedule_cpu(const at::Tensor& boxes, const at::Tensor& scores,
-                                                          const std::optional<at::Tensor>& idxs, double iou_threshold,
-                                                          int64_t offset, bool padded, int64_t capacity,
-                                                          int64_t tile_rows) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
+    const at::Tensor& boxes, const at::Tensor& scores, const std::optional<at::Tensor>& idxs, double iou_threshold,
+    int64_t offset, bool padded, int64_t capacity, int64_t tile_rows, int64_t propagate_warps) {
   constexpr const char* op = "_nms_tiled_schedule";
   lightning_balanced::check_padded_args(op, boxes, scores, idxs, iou_threshold, capacity, offset);
   TORCH_CHECK_VALUE(boxes.device().is_cpu(), op, ": the CPU kernel got tensors on ", boxes.device());
   TORCH_CHECK_VALUE(tile_rows > 0 && tile_rows % kWordBits == 0 && tile_rows <= 4096, op,
                     ": tile_rows must be a multiple of 64 in [64, 4096], got ", tile_rows);
+  TORCH_CHECK_VALUE(propagate_warps > 0, op, ": propagate_warps must be positive, got ", propagate_warps);
   const TiledInput input{boxes,
                          scores,
                          idxs.has_value() ? lightning_balanced::idxs_as_int64(*idxs).contiguous() : at::Tensor(),
@@ -57,8 +140,13 @@ std::tuple<at::Tensor, at::Tensor> nms_tiled_schedule_cpu(const at::Tensor& boxe
                          offset,
                          padded,
                          capacity};
-  const auto [keep, counters] = run_tiled<HostLaunch>(op, input, static_cast<int>(tile_rows));
-  return {keep, counters};
+  std::vector<int64_t> steps;
+  recorded_steps = &steps;
+  const auto [keep, counters] =
+      run_tiled<HostLaunch>(op, input, static_cast<int>(tile_rows), propagate_warps);
+  recorded_steps = nullptr;
+  const int64_t launches = static_cast<int64_t>(steps.size()) / 3;
+  return {keep, counters, at::tensor(steps, at::kLong).reshape({launches, 3})};
 }
 
 }  // namespace

@@ -28,9 +28,10 @@ namespace {
 
 using namespace lightning_balanced::nms_tiled;
 
-// Rows per tile, one thread each: the tile's rows x rows/64 mask is staged in shared memory (32 KiB).
-constexpr int kTileRows = 512;
-constexpr int kStepThreads = 256;
+// Rows per tile, one thread each; step 2 runs over at most kPropagateWarps warps per image.
+constexpr int kTileRows = 1024;
+constexpr int kStepThreads = 256;  // a multiple of 32: whole warps
+constexpr int64_t kPropagateWarps = 8192;  // 262144 threads: about one wave of an H100
 constexpr int64_t kMaxImages = 65535;  // gridDim.y
 
 template <typename F>
@@ -39,31 +40,96 @@ __global__ void step_kernel(F step, int64_t count) {
   if (i < count) step(blockIdx.y, i);
 }
 
-// Step 1b of one tile (one block per image): stage the rows' masks, resolve, mark the rows decided.
+__device__ uint64_t warp_or(uint64_t v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// The `Warp` of nms_tiled.h on a real warp: every lane of it calls each operation (warp-uniform control flow).
+struct DeviceWarp {
+  int lane;
+  template <typename Pred>
+  __device__ uint64_t ballot32(const Pred& pred) const {
+    return __ballot_sync(0xffffffffu, pred(lane));
+  }
+  template <typename Pred>
+  __device__ uint64_t ballot64(const Pred& pred) const {
+    const uint64_t low = __ballot_sync(0xffffffffu, pred(lane));
+    const uint64_t high = __ballot_sync(0xffffffffu, pred(lane + 32));
+    return low | (high << 32);
+  }
+  template <typename Value>
+  __device__ uint64_t any_or(const Value& value) const {
+    return warp_or(value(lane));
+  }
+  __device__ void leader_or(uint64_t* word, uint64_t bits) const {
+    if (lane == 0) or_word(word, bits);
+  }
+};
+
+// A warp-level step: warp w of `warps` (per image) runs step(image, w, warp).
+template <typename F>
+__global__ void warp_kernel(F step, int64_t warps) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i / 32 < warps) step(blockIdx.y, i / 32, DeviceWarp{static_cast<int>(i % 32)});  // whole warps only
+}
+
+// Step 1 of one tile (one CTA of kRows threads per image): load, then for each 64-row block in order, warp 0
+// resolves the block in rounds and every thread ORs its kept row's suppression of later blocks into
+// `suppressed` (a warp-wide OR, then one shared atomic per warp); then each row is marked decided and the kept
+// rows are written out. Two barriers per block; no thread runs a loop over the rows.
 template <typename T, int kRows>
 __global__ void __launch_bounds__(kRows) tile_kernel(Image<T> batch, int64_t first, int rows) {
   constexpr int kWords = kRows / kWordBits;
-  __shared__ uint64_t decided[kWords];
+  __shared__ uint64_t cols[kRows];
   __shared__ uint64_t suppressed[kWords];
-  __shared__ uint64_t mask[kRows * kWords];
+  __shared__ uint64_t kept[kWords];
+  __shared__ int64_t base;
   const Image<T> im = image_at(batch, blockIdx.y, kRows);
-  const Tile tile{rows, decided, mask, suppressed};
   const int t = threadIdx.x;
-  if (t < kWords) decided[t] = 0;
+  if (t < kWords) suppressed[t] = 0;
+  if (t == 0) base = im.counters[kKept];
   __syncthreads();
-  load_tile_row(im, tile, kRows, first, t);
+  const TileState tile{kRows, rows, cols, suppressed, kept, base};
+  uint64_t m[kWords];
+  load_tile_thread(im, tile, first, t, m);
   __syncthreads();
-  if (t == 0) resolve_tile(im, tile, first);
-  __syncthreads();
-  mark_tile_row(im, tile, first, t);
+  const int used = tile_words(rows);
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) {  // unrolled, so m[w] stays in registers
+    if (w < used) {  // the same for every thread
+      if (t < 32) {
+        const uint64_t k = resolve_block(cols + w * kWordBits, open_rows(suppressed[w], rows - w * kWordBits),
+                                         DeviceWarp{t});
+        if (t == 0) kept[w] = k;
+      }
+      __syncthreads();
+      const uint64_t bits = warp_or(kept_row_suppression(tile, w, t, m));
+      if (t % 32 == 0 && bits != 0) or_word(&suppressed[t / kWordBits], bits);
+      __syncthreads();
+    }
+  }
+  finish_tile_row(im, tile, first, t);
 }
 
 struct CudaLaunch {
+  static void library(int64_t) {}  // a torch op: only the emulation counts it
+
   template <typename F>
   static void each(int64_t batch, int64_t count, const F& step) {
     if (count == 0 || batch == 0) return;
     const dim3 grid(static_cast<unsigned>((count + kStepThreads - 1) / kStepThreads), static_cast<unsigned>(batch));
     step_kernel<<<grid, kStepThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(step, count);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  template <typename F>
+  static void warps(int64_t batch, int64_t warps, const F& step) {
+    if (warps == 0 || batch == 0) return;
+    const int64_t threads = warps * 32;
+    const dim3 grid(static_cast<unsigned>((threads + kStepThreads - 1) / kStepThreads), static_cast<unsigned>(batch));
+    warp_kernel<<<grid, kStepThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(step, warps);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
@@ -90,7 +156,7 @@ at::Tensor nms_cuda_impl(const char* op, const at::Tensor& boxes, const at::Tens
                          offset,
                          /*padded=*/false,
                          /*capacity=*/n};
-  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, kTileRows);
+  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, kTileRows, kPropagateWarps);
   return kept_indices(op, keep, counters);
 }
 
@@ -126,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> batched_nms_padded_cuda(const at::Tensor& box
                          offset,
                          /*padded=*/true,
                          max_output};
-  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, kTileRows);
+  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, kTileRows, kPropagateWarps);
   return padded_result(keep, counters);
 }
 
