@@ -34,12 +34,23 @@ truncated to 100, then ``-1``), then captured in a CUDA graph (warm-up on a side
 replayed on two batches copied into its inputs, and each replay compared with the eager call.
 
 Printed: a table per dtype and workload (``ratio`` = ours / torchvision), the padded lines, then
-``mixed_1m_time_s=... mixed_1m_peak_gib=...`` (``nms``, float32, 1M ``mixed`` boxes) and, as the last line,
+``mixed_1m_time_s=... mixed_1m_peak_gib=...`` (``nms``, float32, 1M ``mixed4000`` boxes, below) and, as the last line,
 ``worst_ratio_vs_torchvision_cuda=`` (the largest ratio over the rows where torchvision ran; ``n/a`` without
 torchvision). The exit status is 1 if an exactness check failed (listed on a ``FAILED:`` line before the summary).
 
-Run on a GPU machine from the repository root: ``python benchmarks/bench_nms_cuda.py`` (``--quick``: N = 100, 1k,
-20k and fewer repeats; ``--sizes 1000,20000`` to choose N). Without a GPU it prints why it skipped and exits 0.
+By default the script prints the goal table of issue #26 instead of the sweep (about a minute on an H100): each
+row's cases (every workload, float32), ours beside torchvision and our CPU kernel, the worst case against the goal
+(and the stretch goal), and ``PASS``/``FAIL``; 1M boxes are the issue's ``mixed`` case on a 4000 x 4000 canvas
+(``mixed4000``), the padded row is ``batched_nms_padded`` on B = 64 clustered images of N = 5000 (80 classes,
+``max_output`` 300), eager and captured in a CUDA graph. It ends with ``goal_table: K/6 rows pass``, the
+``mixed_1m_time_s=`` line (from that 1M row) and the worst ratio. ``--full`` runs the sweep (every N up to 1M, every
+workload, float32 and float16), ``--quick`` the sweep at N = 100, 1k, 20k, ``--sizes 1000,20000`` the sweep at those
+N. ``--cost-model`` needs no GPU: the CPU emulation of the CUDA schedule (``_nms_tiled_schedule`` with the kernels'
+1024-row tiles and 8192 step-2 warps) prints, per case, the launches, the critical path (serial steps of all launches
+one after another) and the longest serial loop of any thread or warp.
+
+Run on a GPU machine from the repository root: ``python benchmarks/bench_nms_cuda.py``. Without a GPU it prints why
+it skipped and exits 0.
 ``--device cpu`` runs the same code on the CPU as a smoke test (torchvision's CPU kernel as the anchor,
 ``perf_counter`` times, no memory figures, no graph capture); its last line is ``worst_ratio_vs_torchvision_cpu=``.
 """
@@ -115,6 +126,16 @@ MAKERS: dict[str, Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Ten
     "mixed": mixed_boxes,
     "duplicates": duplicate_boxes,
 }
+
+
+def mixed4000_boxes(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The goal table's 1M case: sides log-uniform in [2, 200] px on a 4000 x 4000 canvas, whatever ``n``."""
+    xy = torch.rand(n, 2, generator=gen) * 4000
+    wh = torch.exp(math.log(2) + torch.rand(n, 2, generator=gen) * math.log(100))
+    return torch.cat([xy, xy + wh], dim=1), torch.rand(n, generator=gen)
+
+
+MAKERS["mixed4000"] = mixed4000_boxes
 
 
 def workload(kind: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -323,10 +344,10 @@ class Bench:
             )
 
     def measure_mixed_1m(self) -> tuple[float, int | None]:
-        """``nms`` on 1M float32 mixed-size boxes (when the table did not include it)."""
+        """``nms`` on the goal table's 1M float32 mixed-size boxes (when the table did not include them)."""
         if self.mixed_1m is not None:
             return self.mixed_1m
-        boxes, scores, _ = workload("mixed", 1_000_000, seed=1_000_000 + WORKLOADS.index("mixed"))
+        boxes, scores, _ = workload("mixed4000", 1_000_000, seed=1_000_000 + 7)
         boxes, scores = boxes.to(self.device), scores.to(self.device)
         thr = self.args.iou
 
@@ -364,8 +385,11 @@ def _padded_matches_loop(
     return True
 
 
-def bench_padded(bench: Bench, batch: int = 8, n: int = 1000, max_output: int = 100) -> None:
-    """Print ``batched_nms_padded`` against a loop of ``batched_nms``, and its CUDA graph's replay."""
+def bench_padded(
+    bench: Bench, batch: int = 8, n: int = 1000, max_output: int = 100, goal_ms: float | None = None
+) -> bool:
+    """Print ``batched_nms_padded`` against a loop of ``batched_nms``, and its CUDA graph's replay; with ``goal_ms``,
+    the goal row's verdict (eager time within the goal, exact, captured, replay equal to eager). Returns it."""
     device, clock, thr = bench.device, bench.clock, bench.args.iou
     boxes, scores, idxs = _padded_batch(batch, n, torch.float32, device, seed=2024)
 
@@ -385,15 +409,16 @@ def bench_padded(bench: Bench, batch: int = 8, n: int = 1000, max_output: int = 
         f"ratio {times['padded'] / times['loop']:.3f}, exact={'yes' if same else 'NO'}",
         flush=True,
     )
+    graph_same = False
     if not clock.cuda:
         print("padded_graph: skipped (no CUDA graphs off the GPU)", flush=True)
-        return
+        return _padded_verdict(goal_ms, times["padded"], same and graph_same)
     try:
         graph_same, replay_s = _graph_replay(bench, boxes, scores, idxs, max_output)
     except Exception as err:
         bench.failures.append(f"CUDA graph capture of batched_nms_padded failed ({type(err).__name__})")
         print(f"padded_graph: capture FAILED ({_describe(err)})", flush=True)
-        return
+        return _padded_verdict(goal_ms, times["padded"], False)
     if not graph_same:
         bench.failures.append("the CUDA graph's replay of batched_nms_padded differs from the eager call")
     print(
@@ -401,6 +426,19 @@ def bench_padded(bench: Bench, batch: int = 8, n: int = 1000, max_output: int = 
         f"replay {_fmt_ms(replay_s)} ms vs eager {_fmt_ms(times['padded'])} ms",
         flush=True,
     )
+    return _padded_verdict(goal_ms, times["padded"], same and graph_same)
+
+
+def _padded_verdict(goal_ms: float | None, seconds: float, correct: bool) -> bool:
+    if goal_ms is None:
+        return correct
+    passed = correct and seconds * 1e3 <= goal_ms
+    print(
+        f"GOAL batched_nms_padded B=64 N=5000: {seconds * 1e3:.3f} ms (goal <= {goal_ms:g}, stretch 0.5), exact and "
+        f"captured in a CUDA graph: {'yes' if correct else 'NO'}: {'PASS' if passed else 'FAIL'}",
+        flush=True,
+    )
+    return passed
 
 
 def _graph_replay(
@@ -433,6 +471,94 @@ def _graph_replay(
 
 
 # --------------------------------------------------------------------------------------------------------------
+# The goal table (issue #26) and the cost model
+# --------------------------------------------------------------------------------------------------------------
+
+# (row, op, N, workloads, goal ms, stretch ms, goal MiB of peak memory or None)
+GOALS = [
+    ("nms 1k", "nms", 1000, WORKLOADS, 0.10, 0.05, None),
+    ("nms 20k", "nms", 20_000, WORKLOADS, 1.0, 0.3, None),
+    ("nms 100k", "nms", 100_000, WORKLOADS, 5.0, 1.0, 32.0),
+    ("nms 1M mixed", "nms", 1_000_000, ("mixed4000",), 30.0, 10.0, 256.0),
+    ("batched_nms 100k", "batched_nms", 100_000, WORKLOADS, 3.0, 1.0, None),
+]
+
+
+def goal_row(
+    bench: Bench, row: str, op: str, n: int, kinds: tuple[str, ...], goal: float, stretch: float, goal_mib: float | None
+) -> bool:
+    """One row of the goal table: every workload timed (ours, torchvision, our CPU kernel), the worst against the
+    goal; exactness against the CPU kernel is required."""
+    worst_ms, worst_mib, exact = 0.0, 0, True
+    for kind in kinds:
+        boxes_cpu, scores_cpu, idxs_cpu = workload(kind, n, seed=n + 7)
+        boxes, scores, idxs = boxes_cpu.to(bench.device), scores_cpu.to(bench.device), idxs_cpu.to(bench.device)
+        ours, cpu, tv_fn = _calls(op, boxes, scores, idxs, boxes_cpu, scores_cpu, idxs_cpu, bench.args.iou, bench.tv)
+        fns: dict[str, Fn] = {"ours": ours}
+        if tv_fn is not None and bench._tv_fits(op, n, idxs_cpu) and bench._tv_first_call(tv_fn) is None:
+            fns["tv"] = tv_fn
+        times = measure(bench.clock, fns, bench.args.warmup, bench.args.repeats, bench.args.row_budget)
+        peak = bench.clock.peak_bytes(ours)
+        start = time.perf_counter()
+        expected = cpu()
+        t_cpu = time.perf_counter() - start
+        same = torch.equal(ours().cpu(), expected)  # type: ignore[union-attr]
+        if not same:
+            bench.failures.append(f"{row} {kind}: CUDA kept indices differ from the CPU kernel's")
+        exact = exact and same
+        if "tv" in times:
+            ratio = times["ours"] / times["tv"]
+            bench.worst = ratio if bench.worst is None else max(bench.worst, ratio)
+        if op == "nms" and n == 1_000_000:
+            bench.mixed_1m = (times["ours"], peak)
+        worst_ms = max(worst_ms, times["ours"] * 1e3)
+        worst_mib = max(worst_mib, peak or 0)
+        print(
+            f"  {row:<18}{kind:<12}ours {_fmt_ms(times['ours'])} ms  tv {_fmt_ms(times.get('tv'))} ms  "
+            f"cpu {_fmt_ms(t_cpu)} ms  peak {_fmt_mib(peak)} MiB  exact={'yes' if same else 'NO'}",
+            flush=True,
+        )
+    memory_ok = goal_mib is None or not bench.clock.cuda or worst_mib / 2**20 <= goal_mib
+    passed = exact and worst_ms <= goal and memory_ok
+    memory = (
+        "" if goal_mib is None or not bench.clock.cuda else f", peak {worst_mib / 2**20:.1f} MiB (goal <= {goal_mib:g})"
+    )
+    print(
+        f"GOAL {row}: worst {worst_ms:.3f} ms (goal <= {goal:g}, stretch {stretch:g}){memory}: "
+        f"{'PASS' if passed else 'FAIL'}{'' if worst_ms > stretch or not passed else ' (stretch met)'}",
+        flush=True,
+    )
+    return passed
+
+
+def goal_table(bench: Bench) -> int:
+    """Runs every goal row and the padded row; returns how many pass."""
+    passed = sum(goal_row(bench, *goal) for goal in GOALS)
+    print("  (padded row)", flush=True)
+    passed += bench_padded(bench, batch=64, n=5000, max_output=300, goal_ms=2.0)
+    print(f"goal_table: {passed}/{len(GOALS) + 1} rows pass", flush=True)
+    return passed
+
+
+def cost_model() -> None:
+    """The CPU emulation's cost model of the CUDA schedule, at 1k / 20k / 100k / 1M boxes (IoU 0.5)."""
+    schedule = torch.ops.lightning_balanced._nms_tiled_schedule
+    print(f"{'case':<34}{'launches':>9}{'critical path':>15}{'longest loop':>14}{'kept':>9}", flush=True)
+    cases = [(n, kind) for n in (1000, 20_000, 100_000) for kind in WORKLOADS] + [(1_000_000, "mixed4000")]
+    for n, kind in cases:
+        boxes, scores, idxs = workload(kind, n, seed=n + 7)
+        for op in ("nms", "batched_nms") if n == 100_000 else ("nms",):
+            classes = idxs[None] if op == "batched_nms" else None
+            _, counters, steps = schedule(boxes[None], scores[None], classes, 0.5, 0, False, n)
+            depth = steps[:, 2]
+            print(
+                f"{op + ' ' + kind + ' ' + str(n):<34}{len(steps):>9}{int(depth.sum()):>15}{int(depth.max()):>14}"
+                f"{int(counters[0, 0]):>9}",
+                flush=True,
+            )
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------------------
 
@@ -449,21 +575,28 @@ def _import_torchvision() -> ModuleType | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="N = 100, 1k, 20k and fewer repeats")
+    parser.add_argument("--full", action="store_true", help="the sweep: every N up to 1M, every workload and dtype")
+    parser.add_argument("--cost-model", action="store_true", help="the CPU emulation's cost model (no GPU needed)")
+    parser.add_argument("--quick", action="store_true", help="the sweep at N = 100, 1k, 20k, fewer repeats")
     parser.add_argument("--sizes", type=str, default=None, help="comma-separated N (default 100,...,1000000)")
     parser.add_argument("--workloads", type=str, default=",".join(WORKLOADS), help="comma-separated workloads")
     parser.add_argument("--iou", type=float, default=0.5, help="IoU threshold")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per function (15; --quick 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
-    parser.add_argument("--row-budget", type=float, default=3.0, help="seconds of timed calls per row, about")
+    parser.add_argument("--row-budget", type=float, default=None, help="seconds of timed calls per row (3; goals 0.5)")
     parser.add_argument("--tv-max-gib", type=float, default=8.0, help="skip torchvision above this mask size")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke run without a GPU
     args = parser.parse_args()
+    if args.cost_model:
+        cost_model()
+        return 0
+    sweep = args.full or args.quick or args.sizes is not None
+    args.row_budget = args.row_budget or (3.0 if sweep else 0.5)
     if args.sizes:
         sizes = [int(s) for s in args.sizes.split(",")]
     else:
         sizes = [100, 1000, 20000] if args.quick else [100, 1000, 5000, 20000, 100_000, 1_000_000]
-    args.repeats = args.repeats or (5 if args.quick else 15)
+    args.repeats = args.repeats or (15 if args.full else 5)
     workloads = [w for w in args.workloads.split(",") if w]
     for name in workloads:
         if name not in MAKERS:
@@ -487,12 +620,17 @@ def main() -> int:
         print(f"torchvision {sys.modules['torchvision'].__version__}", flush=True)
 
     bench = Bench(args, device, tv)
-    for dtype_name in DTYPES:
-        for kind in workloads:
-            bench.header(kind, dtype_name)
-            for n in sizes:
-                bench.row(kind, dtype_name, n)
-    bench_padded(bench)
+    if not sweep:
+        if device.type != "cuda":
+            print("(the goals are for one H100; on the CPU this is a smoke run of the table)", flush=True)
+        goal_table(bench)
+    else:
+        for dtype_name in DTYPES:
+            for kind in workloads:
+                bench.header(kind, dtype_name)
+                for n in sizes:
+                    bench.row(kind, dtype_name, n)
+        bench_padded(bench)
     seconds, peak = bench.measure_mixed_1m()
     if bench.failures:
         print("FAILED: " + "; ".join(bench.failures), flush=True)

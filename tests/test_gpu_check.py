@@ -84,12 +84,15 @@ def test_a_benchmark_passes_with_its_summary_line_and_the_note_quotes_it() -> No
     step = gpu_check.plan_steps(_args())[1]
     assert step.name == "bench_nms_cuda"
     tail = (
-        "padded: ...\nmixed_1m_time_s=4.12345 mixed_1m_peak_gib=0.1300 (nms, float32, IoU 0.5)\n"
+        "GOAL nms 1k: ...\ngoal_table: 4/6 rows pass\n"
+        "mixed_1m_time_s=4.12345 mixed_1m_peak_gib=0.1300 (nms, float32, IoU 0.5)\n"
         "worst_ratio_vs_torchvision_cuda=6.618\n"
     )
     result = step.judge(_outcome(tail))
     assert result.status == gpu_check.PASSED
-    assert result.note == "mixed_1m_time_s=4.12345 mixed_1m_peak_gib=0.1300 worst_ratio_vs_torchvision_cuda=6.618"
+    assert result.note == (
+        "goal_table: 4/6 rows pass mixed_1m_time_s=4.12345 mixed_1m_peak_gib=0.1300 worst_ratio_vs_torchvision_cuda=6.618"
+    )
     assert step.judge(_outcome("padded: ...\n")).status == gpu_check.FAILED  # exit 0, but no summary (a skip)
     failed = step.judge(_outcome("FAILED: nms uniform float32 N=1000: ...\nworst_ratio_vs_torchvision_cuda=1\n", 1))
     assert failed.status == gpu_check.FAILED
@@ -145,11 +148,11 @@ def test_the_default_plan_fits_five_minutes_and_runs_1m_boxes() -> None:
     # the tests within their limit, and each benchmark with at least what the budget keeps for it
     assert steps[0].limit_s + sum(s.reserve_s for s in steps[1:]) + 20 <= gpu_check.DEFAULT_BUDGET_S <= 300
     nms = steps[1].command
-    assert "1000000" not in nms[nms.index("--sizes") + 1]  # the tables stop short; 1M mixed runs after them
+    assert "--sizes" not in nms and "--full" not in nms  # the goal table, its 1M row included
     assert [s.name for s in gpu_check.plan_steps(_args("--no-tests"))] == [s.name for s in steps[1:]]
     assert [s.name for s in gpu_check.plan_steps(_args("--no-benchmarks"))] == ["tests"]
     full = gpu_check.plan_steps(_args("--full"))
-    assert "--sizes" not in full[0].command and "--quick" not in full[1].command
+    assert "--full" in full[1].command and "--quick" not in full[1].command
 
 
 def test_a_step_gets_its_own_limit_or_what_the_budget_leaves_after_the_later_steps_share() -> None:
@@ -178,7 +181,9 @@ def test_dry_run_prints_the_plan_and_runs_nothing(
     monkeypatch.setattr(gpu_check, "run_command", None)
     assert gpu_check.main(["--dry-run", "--log", str(tmp_path / "log")]) == 0
     printed = capsys.readouterr().out
-    assert "budget 290 s" in printed and "bench_nms_cuda.py --sizes 1000,20000" in printed and "--cuda-only" in printed
+    assert (
+        "budget 290 s" in printed and "bench_nms_cuda.py --warmup 1 --repeats 5" in printed and "--cuda-only" in printed
+    )
     assert not (tmp_path / "log").exists()
 
 

@@ -6,20 +6,27 @@
 // reference on CPU, so the algorithm the GPU runs is checked on every CI run, with or without a GPU.
 //
 // The greedy NMS (boxes by decreasing score; a box is kept unless a kept, higher-scoring box suppresses it)
-// runs over tiles of `rows` consecutive boxes in score order:
-//   1. resolve the tile: each row's mask of the later rows of the same tile it suppresses (a rows x rows/64
-//      bitmask, computed for all tiles at once before the first), staged in shared memory; then one thread
-//      walks the rows in order, skipping those already suppressed by earlier tiles, and keeps the rest unless
-//      a kept row of the tile suppressed them;
-//   2. propagate: each kept row of the tile marks, in the `removed` bitmask of all boxes, the boxes it
-//      suppresses. The boxes are indexed there in a spatial order (Morton order of the box centres), in
-//      blocks of 64 (one word of `removed`) and super-blocks of 64 blocks, each with the bounding box of its
-//      boxes and the range of their classes: a kept row visits only the blocks it may overlap, of its class,
-//      and skips the blocks whose boxes are all decided. The rows of a tile are marked decided after step 1.
+// runs over tiles of `rows` consecutive boxes in score order (1024 on the GPU):
+//   1. resolve the tile. Before the first tile, each row's masks within its tile are computed for all tiles at
+//      once: the later rows of each 64-row block of the tile that it suppresses, and, for its own block, the
+//      earlier rows that suppress it (the column). The tile kernel then takes the tile's 64-row blocks in order;
+//      warp 0 resolves a block in rounds of two ballots (a row none of whose open or kept suppressors remains is
+//      kept, a row with a kept suppressor is suppressed; rounds follow the longest chain of suppressions, at most
+//      64), and every thread whose row was kept ORs its suppression of the later blocks into them (an OR over the
+//      warp, one shared atomic per warp). No thread runs a loop over the rows;
+//   2. propagate: the tile's kept rows mark, in the `removed` bitmask of all boxes, the boxes they suppress. The
+//      boxes are indexed there in a spatial order (Morton order of the box centres), in blocks of 64 (one word of
+//      `removed`) and super-blocks of up to 64 blocks, each with the bounding region of its boxes and the range of
+//      their classes. The step's warps take the pairs (kept row, super-block) 32 at a time, one per lane; for a
+//      pair that may overlap, the warp tests the super-block's blocks in one ballot, then each open block that may
+//      overlap, 2 boxes per lane. Rows of the tile are marked decided at the end of step 1.
 // A box is suppressed by a kept, higher-scoring box exactly when the sequential greedy pass says so: the
 // earlier tiles' kept boxes reach it through `removed` (step 2), the same tile's through step 1. Bits set for
-// boxes already decided are never read again, so the propagation needs no score-order test. Memory is linear
-// in the number of boxes (no N x N/64 mask) and the work follows the overlaps, not N^2.
+// boxes already decided are never read again, so the propagation needs no score-order test. Memory is linear in
+// the number of boxes (no N x N/64 mask) and the work follows the overlaps, not N^2. Two launches per tile.
+//
+// The same functions run in the CPU emulation, threads one after another and a warp's lanes in a loop (`Warp`
+// below); there each loop iteration also counts a serial step (LB_COST), the emulation's cost model.
 //
 // Arithmetic: exactly that of the CPU kernel and the reference (cpu/nms_kernel.cpp), each operation rounded
 // to nearest (__fadd_rn, ... on the device so nvcc cannot contract them into FMAs; the host build uses

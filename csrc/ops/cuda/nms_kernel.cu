@@ -1,8 +1,9 @@
 // CUDA kernels of lightning_balanced::nms, batched_nms and batched_nms_padded.
 //
-// The algorithm is the tiled NMS of ops/nms_tiled.h (tiles of boxes in score order resolved in shared memory,
-// the kept boxes of a tile suppressing later boxes through a spatial index of 64-box blocks), run by the step
-// sequence of ops/nms_tiled_driver.h; this file only launches the steps. The same steps run on the CPU in the
+// The algorithm is the tiled NMS of ops/nms_tiled.h (tiles of 1024 boxes in score order resolved by one CTA in
+// rounds of warp ballots, the kept boxes of a tile suppressing later boxes through a spatial index of 64-box
+// blocks, in warp-level work), run by the step sequence of ops/nms_tiled_driver.h; this file launches the steps
+// and gives the warp-level code its real warp (DeviceWarp). The same steps run on the CPU in the
 // private op `_nms_tiled_schedule` (cpu/nms_tiled_schedule.cpp), which the tests compare with the reference.
 //
 // Same semantics and arithmetic as the CPU kernel (cpu/nms_kernel.cpp); every operation uses the
