@@ -91,7 +91,8 @@ def test_a_benchmark_passes_with_its_summary_line_and_the_note_quotes_it() -> No
     result = step.judge(_outcome(tail))
     assert result.status == gpu_check.PASSED
     assert result.note == (
-        "goal_table: 4/6 rows pass mixed_1m_time_s=4.12345 mixed_1m_peak_gib=0.1300 worst_ratio_vs_torchvision_cuda=6.618"
+        "goal_table: 4/6 rows pass mixed_1m_time_s=4.12345 mixed_1m_peak_gib=0.1300 "
+        "worst_ratio_vs_torchvision_cuda=6.618"
     )
     assert step.judge(_outcome("padded: ...\n")).status == gpu_check.FAILED  # exit 0, but no summary (a skip)
     failed = step.judge(_outcome("FAILED: nms uniform float32 N=1000: ...\nworst_ratio_vs_torchvision_cuda=1\n", 1))

@@ -17,9 +17,9 @@ extension built). The steps, in order, each printed as it runs and copied to ``-
    pytest-timeout is installed. The tests run first: their tracebacks are what a short GPU loan is for;
 4. the CUDA benchmarks, each in a form that fits the rest of the budget: ``bench_nms_cuda`` (the goal table of issue
    #26: the CUDA NMS against torchvision's CUDA kernel and our CPU kernel from 1k to 1M boxes, and the padded batch
-   in a CUDA graph; its verdict ``goal_table: K/6 rows pass`` is quoted), ``bench_cuda --quick`` (balanced_dp and gpipe on one GPU against one device) and
-   ``bench_auto_split --device cuda --quick`` (``chunk_sizes="auto"`` against the even split: the cost of
-   profiling).
+   in a CUDA graph; its verdict ``goal_table: K/6 rows pass`` is quoted), ``bench_cuda --quick`` (balanced_dp
+   and gpipe on one GPU against one device) and ``bench_auto_split --device cuda --quick`` (``chunk_sizes="auto"``
+   against the even split: the cost of profiling).
 
 Every step runs in its own process group with a wall-clock limit: the smaller of its own limit and what the budget
 has left after keeping the later steps' share. At the limit the step gets SIGINT (pytest then prints the failures it
