@@ -45,9 +45,9 @@ row's cases (every workload, float32), ours beside torchvision and our CPU kerne
 ``max_output`` 300), eager and captured in a CUDA graph. It ends with ``goal_table: K/6 rows pass``, the
 ``mixed_1m_time_s=`` line (from that 1M row) and the worst ratio. ``--full`` runs the sweep (every N up to 1M, every
 workload, float32 and float16), ``--quick`` the sweep at N = 100, 1k, 20k, ``--sizes 1000,20000`` the sweep at those
-N. ``--cost-model`` needs no GPU: the CPU emulation of the CUDA schedule (``_nms_tiled_schedule`` with the kernels'
-1024-row tiles and 8192 step-2 warps) prints, per case, the launches, the critical path (serial steps of all launches
-one after another) and the longest serial loop of any thread or warp.
+N. ``--cost-model`` needs no GPU: the CPU emulation of what the CUDA ops run (``_nms_tiled``, with the kernels'
+1024-row tiles and 8192 step-2 warps) prints, per case, the launches (torch's sorts counted as one each), the
+critical path (serial steps of all launches one after another) and the longest serial loop of any thread or warp.
 
 Run on a GPU machine from the repository root: ``python benchmarks/bench_nms_cuda.py``. Without a GPU it prints why
 it skipped and exits 0.
@@ -541,19 +541,18 @@ def goal_table(bench: Bench) -> int:
 
 
 def cost_model() -> None:
-    """The CPU emulation's cost model of the CUDA schedule, at 1k / 20k / 100k / 1M boxes (IoU 0.5)."""
-    schedule = torch.ops.lightning_balanced._nms_tiled_schedule
+    """The CPU emulation's cost model of what the CUDA ``nms`` / ``batched_nms`` run (``_nms_tiled``), IoU 0.5."""
+    emulation = torch.ops.lightning_balanced._nms_tiled
     print(f"{'case':<34}{'launches':>9}{'critical path':>15}{'longest loop':>14}{'kept':>9}", flush=True)
     cases = [(n, kind) for n in (1000, 20_000, 100_000) for kind in WORKLOADS] + [(1_000_000, "mixed4000")]
     for n, kind in cases:
         boxes, scores, idxs = workload(kind, n, seed=n + 7)
         for op in ("nms", "batched_nms") if n == 100_000 else ("nms",):
-            classes = idxs[None] if op == "batched_nms" else None
-            _, counters, steps = schedule(boxes[None], scores[None], classes, 0.5, 0, False, n)
+            keep, steps = emulation(boxes, scores, idxs if op == "batched_nms" else None, 0.5, 0)
             depth = steps[:, 2]
             print(
                 f"{op + ' ' + kind + ' ' + str(n):<34}{len(steps):>9}{int(depth.sum()):>15}{int(depth.max()):>14}"
-                f"{int(counters[0, 0]):>9}",
+                f"{keep.numel():>9}",
                 flush=True,
             )
 

@@ -21,4 +21,9 @@ TORCH_LIBRARY_FRAGMENT(lightning_balanced, m) {
   m.def(
       "_nms_tiled_schedule(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int offset, bool padded, "
       "int capacity, int tile_rows=1024, int propagate_warps=8192) -> (Tensor, Tensor, Tensor)");
+  // Private, CPU only: what the CUDA nms (idxs None) and batched_nms run, on the host; returns the kept indices
+  // and the cost model.
+  m.def(
+      "_nms_tiled(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int offset=0, int tile_rows=1024, "
+      "int propagate_warps=8192) -> (Tensor, Tensor)");
 }

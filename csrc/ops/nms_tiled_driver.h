@@ -14,9 +14,15 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/gather.h>
 #include <ATen/ops/sort.h>
+#include <ATen/ops/_unique2.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/isinf.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
 #include <cstdint>
+#include <limits>
 #include <tuple>
 #include <utility>
 
@@ -251,6 +257,87 @@ inline at::Tensor kept_indices(const char* op, const at::Tensor& keep, const at:
   TORCH_CHECK_VALUE(c[kBadScore] == 0, op, ": scores must be finite (no NaN or infinity)");
   TORCH_CHECK_VALUE(c[kBadBox] == 0, op, ": box coordinates must be finite (no NaN or infinity)");
   return keep[0].narrow(0, 0, c[kKept]);
+}
+
+// nms (classes undefined) or batched_nms on boxes [N, 4], scores [N], classes [N] int64, with the tiled NMS;
+// returns the kept indices by decreasing score (ties: lower index first).
+//
+// batched_nms runs its classes as independent chains at the same time when that costs little memory: the boxes
+// of each class become one row of a [C, M] padded batch (M = the largest class, -inf scores after its boxes, in
+// index order within the row), which run_tiled resolves side by side, one CTA and one set of warps per class:
+// the serial chain of tiles is M / tile_rows long instead of N / tile_rows. Taken when C * M <= 2 N + 4096 and
+// C <= kMaxImages; otherwise one chain over all boxes, the class ids pruning the propagation. The kept boxes are
+// put back in the global score order by sorts on the device. Two reads from the device: the class sizes (C and
+// M shape the batch) and, at the end, the counters.
+constexpr int64_t kMaxImages = 65535;  // a CUDA grid's y dimension: one row of images per launch
+
+template <typename Launch>
+at::Tensor tiled_nms(const char* op, const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& classes,
+                     double iou_threshold, int64_t offset, int tile_rows, int64_t propagate_warps) {
+  const int64_t n = boxes.size(0);
+  if (n == 0) return at::empty({0}, boxes.options().dtype(at::kLong));
+  const auto one_chain = [&] {
+    const TiledInput input{boxes.unsqueeze(0),
+                           scores.unsqueeze(0),
+                           classes.defined() ? classes.unsqueeze(0).contiguous() : at::Tensor(),
+                           iou_threshold,
+                           offset,
+                           /*padded=*/false,
+                           /*capacity=*/n};
+    const auto [keep, counters] = run_tiled<Launch>(op, input, tile_rows, propagate_warps);
+    return kept_indices(op, keep, counters);
+  };
+  if (!classes.defined()) return one_chain();
+
+  Launch::library(n);  // the class sizes
+  const auto [ids, inverse, sizes] = at::_unique2(classes, /*sorted=*/true, /*return_inverse=*/true,
+                                                  /*return_counts=*/true);
+  const int64_t num_classes = ids.size(0);
+  const int64_t largest = sizes.max().item<int64_t>();
+  if (num_classes <= 1 || num_classes > kMaxImages || num_classes * largest > 2 * n + 4096) return one_chain();
+
+  // Row c holds class c's boxes in index order (a stable sort by class), at slots 0 .. size - 1.
+  Launch::library(n);
+  const at::Tensor members = std::get<1>(inverse.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const at::Tensor row = inverse.index_select(0, members);
+  const at::Tensor starts = sizes.cumsum(0).sub_(sizes);
+  const at::Tensor flat = row.mul(largest).add_(at::arange(n, row.options())).sub_(starts.index_select(0, row));
+  const int64_t slots = num_classes * largest;
+  const at::Tensor index_of_slot = at::full({slots}, -1, row.options()).index_copy_(0, flat, members);
+  const at::Tensor row_boxes =
+      at::zeros({slots, 4}, boxes.options()).index_copy_(0, flat, boxes.index_select(0, members));
+  const at::Tensor row_scores = at::full({slots}, -std::numeric_limits<double>::infinity(), scores.options())
+                                    .index_copy_(0, flat, scores.index_select(0, members));
+  const TiledInput input{row_boxes.view({num_classes, largest, 4}),
+                         row_scores.view({num_classes, largest}),
+                         at::Tensor(),
+                         iou_threshold,
+                         offset,
+                         /*padded=*/true,
+                         /*capacity=*/largest};
+  const auto [keep, counters] = run_tiled<Launch>(op, input, tile_rows, propagate_warps);
+
+  // Back to input indices, then to the global order: all boxes by decreasing score (stable), the kept first.
+  const at::Tensor slot = keep.clamp_min(0).add_(at::arange(num_classes, keep.options()).mul_(largest).unsqueeze(1));
+  const at::Tensor kept_index = at::where(keep.ge(0), index_of_slot.index_select(0, slot.flatten()).view_as(keep), n);
+  const at::Tensor is_kept = at::zeros({n + 1}, keep.options().dtype(at::kByte))
+                                 .index_fill_(0, kept_index.flatten(), 1)
+                                 .narrow(0, 0, n);
+  const auto compute = boxes.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  Launch::library(n);
+  const at::Tensor order = std::get<1>(scores.to(compute).sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+  Launch::library(n);
+  const at::Tensor kept_first =
+      std::get<1>(is_kept.index_select(0, order).sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+  // One read: the kept count, and the errors (a real score of -inf would have been taken for padding).
+  const at::Tensor summary = at::stack({counters.select(1, kKept).sum(),
+                                        counters.select(1, kBadScore).sum().add(at::isinf(scores).any()),
+                                        counters.select(1, kBadBox).sum()})
+                                 .to(at::kCPU);
+  const int64_t* c = summary.const_data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(c[1] == 0, op, ": scores must be finite (no NaN or infinity)");
+  TORCH_CHECK_VALUE(c[2] == 0, op, ": box coordinates must be finite (no NaN or infinity)");
+  return order.index_select(0, kept_first.narrow(0, 0, c[0]));
 }
 
 // The padded op's result: keep [B, capacity] and num_kept [B] (the kept count up to the capacity, or -1 and an

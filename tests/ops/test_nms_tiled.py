@@ -215,3 +215,48 @@ def test_the_gpu_schedule_at_100k_boxes_is_wide_and_shallow(layout: str, by_clas
     assert int(depth[narrow_steps].max()) <= 64
     assert int(depth[kind == TILE_KERNEL].max()) <= 256
     assert int(depth.sum()) < 150_000
+
+
+@settings(HYPOTHESIS, max_examples=150)
+@given(
+    data=box_sets(max_n=200),
+    iou_threshold=THRESHOLDS,
+    classes=st.sampled_from([1, 2, 5, 40]),
+    skew=st.booleans(),
+)
+def test_batched_nms_as_class_chains_matches_the_reference(data, iou_threshold, classes, skew) -> None:
+    """``_nms_tiled``, what the CUDA batched_nms runs: the classes as independent chains (rows of a padded batch),
+    or, when one class holds most boxes (``skew``), one chain over all of them."""
+    boxes, scores = data
+    n = boxes.shape[0]
+    idxs = torch.arange(n) * 7 % classes
+    if skew:
+        idxs[: n * 9 // 10] = 0
+    expected = batched_nms_reference(boxes, scores, idxs, iou_threshold)
+    keep, _ = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, iou_threshold, 0, 64, 3)
+    assert torch.equal(keep, expected)
+
+
+def test_batched_nms_runs_its_classes_side_by_side_and_falls_back_to_one_chain_when_one_class_dominates() -> None:
+    """100,000 boxes of 80 classes: 2 tiles of the largest class instead of 98 of all boxes. When one class holds
+    90 % of the boxes, the padded rows would take 72x the memory: one chain, the class ids pruning."""
+    n = 100_000
+    boxes, scores = _random_boxes(3, n, "uniform", torch.float32)
+    idxs = torch.randint(0, 80, (n,), generator=torch.Generator().manual_seed(0))
+    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0)
+    assert torch.equal(keep, batched_nms(boxes, scores, idxs, 0.5))
+    kind, _, depth = steps.T
+    assert int((kind == TILE_KERNEL).sum()) == 2 and int(depth.sum()) < 2_000
+    idxs[: n * 9 // 10] = 0
+    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0)
+    assert torch.equal(keep, batched_nms(boxes, scores, idxs, 0.5))
+    assert int((steps[:, 0] == TILE_KERNEL).sum()) == -(-n // GPU_TILE_ROWS)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_class_chains_refuse_a_non_finite_score_a_padding_slot_would_hide(value: float) -> None:
+    """A real score of -inf looks like a padding slot of the class rows: still an error, as on one chain."""
+    boxes, scores = _random_boxes(13, 3000, "uniform", torch.float32)
+    scores[17] = value
+    with raises_exactly(ValueError, "_nms_tiled: scores must be finite (no NaN or infinity)"):
+        torch.ops.lightning_balanced._nms_tiled(boxes, scores, torch.arange(3000) % 80, 0.5, 0)

@@ -124,15 +124,24 @@ struct HostLaunch {
   }
 };
 
+void check_schedule_sizes(const char* op, int64_t tile_rows, int64_t propagate_warps) {
+  TORCH_CHECK_VALUE(tile_rows > 0 && tile_rows % kWordBits == 0 && tile_rows <= 4096, op,
+                    ": tile_rows must be a multiple of 64 in [64, 4096], got ", tile_rows);
+  TORCH_CHECK_VALUE(propagate_warps > 0, op, ": propagate_warps must be positive, got ", propagate_warps);
+}
+
+// The cost model recorded during a call: [launches, 3] (kind, parallel width, serial depth).
+at::Tensor steps_tensor(const std::vector<int64_t>& steps) {
+  return at::tensor(steps, at::kLong).reshape({static_cast<int64_t>(steps.size()) / 3, 3});
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
     const at::Tensor& boxes, const at::Tensor& scores, const std::optional<at::Tensor>& idxs, double iou_threshold,
     int64_t offset, bool padded, int64_t capacity, int64_t tile_rows, int64_t propagate_warps) {
   constexpr const char* op = "_nms_tiled_schedule";
   lightning_balanced::check_padded_args(op, boxes, scores, idxs, iou_threshold, capacity, offset);
   TORCH_CHECK_VALUE(boxes.device().is_cpu(), op, ": the CPU kernel got tensors on ", boxes.device());
-  TORCH_CHECK_VALUE(tile_rows > 0 && tile_rows % kWordBits == 0 && tile_rows <= 4096, op,
-                    ": tile_rows must be a multiple of 64 in [64, 4096], got ", tile_rows);
-  TORCH_CHECK_VALUE(propagate_warps > 0, op, ": propagate_warps must be positive, got ", propagate_warps);
+  check_schedule_sizes(op, tile_rows, propagate_warps);
   const TiledInput input{boxes,
                          scores,
                          idxs.has_value() ? lightning_balanced::idxs_as_int64(*idxs).contiguous() : at::Tensor(),
@@ -142,13 +151,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
                          capacity};
   std::vector<int64_t> steps;
   recorded_steps = &steps;
-  const auto [keep, counters] =
-      run_tiled<HostLaunch>(op, input, static_cast<int>(tile_rows), propagate_warps);
+  std::pair<at::Tensor, at::Tensor> result;
+  try {
+    result = run_tiled<HostLaunch>(op, input, static_cast<int>(tile_rows), propagate_warps);
+  } catch (...) {
+    recorded_steps = nullptr;
+    throw;
+  }
   recorded_steps = nullptr;
-  const int64_t launches = static_cast<int64_t>(steps.size()) / 3;
-  return {keep, counters, at::tensor(steps, at::kLong).reshape({launches, 3})};
+  return {result.first, result.second, steps_tensor(steps)};
+}
+
+// `_nms_tiled`: what the CUDA nms (idxs None) and batched_nms run, classes as independent chains included.
+std::tuple<at::Tensor, at::Tensor> nms_tiled_cpu(const at::Tensor& boxes, const at::Tensor& scores,
+                                                 const std::optional<at::Tensor>& idxs, double iou_threshold,
+                                                 int64_t offset, int64_t tile_rows, int64_t propagate_warps) {
+  constexpr const char* op = "_nms_tiled";
+  lightning_balanced::check_nms_args(op, boxes, scores, iou_threshold, offset);
+  TORCH_CHECK_VALUE(boxes.device().is_cpu(), op, ": the CPU kernel got tensors on ", boxes.device());
+  check_schedule_sizes(op, tile_rows, propagate_warps);
+  at::Tensor classes;
+  if (idxs.has_value()) {
+    lightning_balanced::check_idxs_arg(boxes, *idxs);
+    classes = lightning_balanced::idxs_as_int64(*idxs);
+  }
+  std::vector<int64_t> steps;
+  recorded_steps = &steps;
+  at::Tensor keep;
+  try {
+    keep = tiled_nms<HostLaunch>(op, boxes, scores, classes, iou_threshold, offset, static_cast<int>(tile_rows),
+                                 propagate_warps);
+  } catch (...) {
+    recorded_steps = nullptr;
+    throw;
+  }
+  recorded_steps = nullptr;
+  return {keep, steps_tensor(steps)};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(lightning_balanced, CPU, m) { m.impl("_nms_tiled_schedule", &nms_tiled_schedule_cpu); }
+TORCH_LIBRARY_IMPL(lightning_balanced, CPU, m) {
+  m.impl("_nms_tiled_schedule", &nms_tiled_schedule_cpu);
+  m.impl("_nms_tiled", &nms_tiled_cpu);
+}

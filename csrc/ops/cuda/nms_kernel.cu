@@ -8,8 +8,9 @@
 //
 // Same semantics and arithmetic as the CPU kernel (cpu/nms_kernel.cpp); every operation uses the
 // round-to-nearest intrinsics, so the result matches the float32/float64 reference bit for bit. The keep
-// pass runs on the device: nms and batched_nms read back one small array of counters (their only sync),
-// batched_nms_padded none at all, so it can be captured in a CUDA graph.
+// pass runs on the device: nms reads back one small array of counters (its only sync), batched_nms also the
+// class sizes (tiled_nms in ops/nms_tiled_driver.h), batched_nms_padded nothing at all, so it can be captured in a
+// CUDA graph.
 // Includes c10/cuda headers only (not ATen/cuda/CUDAContext.h), so it also compiles against CPU wheels.
 
 #include <ATen/core/Tensor.h>
@@ -33,7 +34,6 @@ using namespace lightning_balanced::nms_tiled;
 constexpr int kTileRows = 1024;
 constexpr int kStepThreads = 256;  // a multiple of 32: whole warps
 constexpr int64_t kPropagateWarps = 8192;  // 262144 threads: about one wave of an H100
-constexpr int64_t kMaxImages = 65535;  // gridDim.y
 
 template <typename F>
 __global__ void step_kernel(F step, int64_t count) {
@@ -144,26 +144,16 @@ struct CudaLaunch {
   }
 };
 
-at::Tensor nms_cuda_impl(const char* op, const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor* idxs,
-                         double iou_threshold, int64_t offset) {
+at::Tensor cuda_tiled_nms(const char* op, const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& classes,
+                          double iou_threshold, int64_t offset) {
   TORCH_CHECK_VALUE(boxes.is_cuda(), op, ": the CUDA kernel got tensors on ", boxes.device());
   c10::cuda::CUDAGuard device_guard(boxes.device());
-  const int64_t n = boxes.size(0);
-  if (n == 0) return at::empty({0}, boxes.options().dtype(at::kLong));
-  const TiledInput input{boxes.unsqueeze(0),
-                         scores.unsqueeze(0),
-                         idxs == nullptr ? at::Tensor() : idxs->unsqueeze(0).contiguous(),
-                         iou_threshold,
-                         offset,
-                         /*padded=*/false,
-                         /*capacity=*/n};
-  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, kTileRows, kPropagateWarps);
-  return kept_indices(op, keep, counters);
+  return tiled_nms<CudaLaunch>(op, boxes, scores, classes, iou_threshold, offset, kTileRows, kPropagateWarps);
 }
 
 at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold, int64_t offset) {
   lightning_balanced::check_nms_args("nms", boxes, scores, iou_threshold, offset);
-  return nms_cuda_impl("nms", boxes, scores, nullptr, iou_threshold, offset);
+  return cuda_tiled_nms("nms", boxes, scores, at::Tensor(), iou_threshold, offset);
 }
 
 at::Tensor batched_nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs,
@@ -173,8 +163,7 @@ at::Tensor batched_nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, c
   }
   lightning_balanced::check_nms_args("batched_nms", boxes, scores, iou_threshold, offset);
   lightning_balanced::check_idxs_arg(boxes, idxs);
-  const at::Tensor classes = lightning_balanced::idxs_as_int64(idxs);
-  return nms_cuda_impl("batched_nms", boxes, scores, &classes, iou_threshold, offset);
+  return cuda_tiled_nms("batched_nms", boxes, scores, lightning_balanced::idxs_as_int64(idxs), iou_threshold, offset);
 }
 
 std::tuple<at::Tensor, at::Tensor> batched_nms_padded_cuda(const at::Tensor& boxes, const at::Tensor& scores,
