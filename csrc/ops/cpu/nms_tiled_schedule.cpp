@@ -55,13 +55,7 @@ struct HostLaunch {
   static void each(int64_t batch, int64_t count, const F& step) {
     if (count == 0 || batch == 0) return;
     int64_t depth = 0;
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t i = 0; i < count; ++i) {
-        serial_steps() = 0;
-        step(b, i);
-        depth = std::max(depth, serial_steps());
-      }
-    }
+    for (int64_t b = 0; b < batch; ++b) depth = std::max(depth, deepest(count, [&](int64_t i) { step(b, i); }));
     record(kStepKernel, batch * count, depth);
   }
 
@@ -71,11 +65,7 @@ struct HostLaunch {
     if (warps == 0 || batch == 0) return;
     int64_t depth = 0;
     for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t w = 0; w < warps; ++w) {
-        serial_steps() = 0;
-        step(b, w, HostWarp{});
-        depth = std::max(depth, serial_steps());
-      }
+      depth = std::max(depth, deepest(warps, [&](int64_t w) { step(b, w, HostWarp{}); }));
     }
     record(kStepKernel, batch * warps * 32, depth);
   }
@@ -110,17 +100,22 @@ struct HostLaunch {
     record(kTileKernel, batch * tile_rows, depth);
   }
 
-  // One phase of a CTA (between two __syncthreads): `threads` threads one after another; returns the largest
-  // number of serial steps a thread ran, plus one for the barrier.
+  // The threads 0 .. count - 1 one after another; returns the largest number of serial steps one ran.
   template <typename F>
-  static int64_t phase(int threads, const F& thread) {
+  static int64_t deepest(int64_t count, const F& thread) {
     int64_t depth = 0;
-    for (int t = 0; t < threads; ++t) {
+    for (int64_t i = 0; i < count; ++i) {
       serial_steps() = 0;
-      thread(t);
+      thread(i);
       depth = std::max(depth, serial_steps());
     }
-    return depth + 1;
+    return depth;
+  }
+
+  // One phase of a CTA (between two __syncthreads): its deepest thread, plus one step for the barrier.
+  template <typename F>
+  static int64_t phase(int threads, const F& thread) {
+    return deepest(threads, [&](int64_t t) { thread(static_cast<int>(t)); }) + 1;
   }
 };
 
@@ -130,10 +125,20 @@ void check_schedule_sizes(const char* op, int64_t tile_rows, int64_t propagate_w
   TORCH_CHECK_VALUE(propagate_warps > 0, op, ": propagate_warps must be positive, got ", propagate_warps);
 }
 
-// The cost model recorded during a call: [launches, 3] (kind, parallel width, serial depth).
-at::Tensor steps_tensor(const std::vector<int64_t>& steps) {
-  return at::tensor(steps, at::kLong).reshape({static_cast<int64_t>(steps.size()) / 3, 3});
-}
+// Records the cost model while it lives (one call of an op); `steps()`: [launches, 3] (kind, width, depth).
+class Recording {
+ public:
+  Recording() { recorded_steps = &steps_; }
+  ~Recording() { recorded_steps = nullptr; }
+  Recording(const Recording&) = delete;
+  Recording& operator=(const Recording&) = delete;
+  at::Tensor steps() const {
+    return at::tensor(steps_, at::kLong).reshape({static_cast<int64_t>(steps_.size()) / 3, 3});
+  }
+
+ private:
+  std::vector<int64_t> steps_;
+};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
     const at::Tensor& boxes, const at::Tensor& scores, const std::optional<at::Tensor>& idxs, double iou_threshold,
@@ -149,17 +154,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
                          offset,
                          padded,
                          capacity};
-  std::vector<int64_t> steps;
-  recorded_steps = &steps;
-  std::pair<at::Tensor, at::Tensor> result;
-  try {
-    result = run_tiled<HostLaunch>(op, input, static_cast<int>(tile_rows), propagate_warps);
-  } catch (...) {
-    recorded_steps = nullptr;
-    throw;
-  }
-  recorded_steps = nullptr;
-  return {result.first, result.second, steps_tensor(steps)};
+  const Recording recording;
+  const auto [keep, counters] = run_tiled<HostLaunch>(op, input, static_cast<int>(tile_rows), propagate_warps);
+  return {keep, counters, recording.steps()};
 }
 
 // `_nms_tiled`: what the CUDA nms (idxs None) and batched_nms run, classes as independent chains included.
@@ -175,18 +172,10 @@ std::tuple<at::Tensor, at::Tensor> nms_tiled_cpu(const at::Tensor& boxes, const 
     lightning_balanced::check_idxs_arg(boxes, *idxs);
     classes = lightning_balanced::idxs_as_int64(*idxs);
   }
-  std::vector<int64_t> steps;
-  recorded_steps = &steps;
-  at::Tensor keep;
-  try {
-    keep = tiled_nms<HostLaunch>(op, boxes, scores, classes, iou_threshold, offset, static_cast<int>(tile_rows),
-                                 propagate_warps);
-  } catch (...) {
-    recorded_steps = nullptr;
-    throw;
-  }
-  recorded_steps = nullptr;
-  return {keep, steps_tensor(steps)};
+  const Recording recording;
+  const at::Tensor keep = tiled_nms<HostLaunch>(op, boxes, scores, classes, iou_threshold, offset,
+                                                static_cast<int>(tile_rows), propagate_warps);
+  return {keep, recording.steps()};
 }
 
 }  // namespace
