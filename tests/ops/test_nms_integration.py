@@ -244,6 +244,32 @@ def test_cuda_kernel_matches_the_reference(dtype: torch.dtype, offset: int) -> N
 
 
 @RunIf(min_cuda_gpus=1, compiled_ops=True)
+@pytest.mark.parametrize("layout", ["uniform", "clustered", "mixed_sizes", "few_large"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_kernel_on_many_tiles_and_class_chains_equals_the_cpu_kernel(layout: str, dtype: torch.dtype) -> None:
+    """Every path of the CUDA schedule on a real GPU: 30,000 boxes (30 tiles of 1024 rows, step 2 through the spatial
+    index), batched_nms with 80 classes (classes as independent chains, one tile each), with 3 classes (chains of
+    10 tiles side by side) and with one class holding 90 % of the boxes (one chain, class ranges pruning)."""
+    if not _loader.has_kernel("cuda"):
+        pytest.skip("lightning_balanced._C was built without CUDA")
+    from tests.ops.test_nms import _random_boxes
+
+    n = 30_000
+    boxes, scores = _random_boxes(5, n, layout, dtype)
+    gen = torch.Generator().manual_seed(6)
+    skewed = torch.randint(0, 80, (n,), generator=gen)
+    skewed[: n * 9 // 10] = 0
+    for thr in (0.3, 0.7):
+        assert torch.equal(nms(boxes.cuda(), scores.cuda(), thr).cpu(), nms(boxes, scores, thr))
+        for idxs in (torch.randint(0, 80, (n,), generator=gen), torch.randint(0, 3, (n,), generator=gen), skewed):
+            expected = batched_nms(boxes, scores, idxs, thr)
+            assert torch.equal(batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), thr).cpu(), expected)
+    scores[123] = float("-inf")  # a padding slot of the class rows looks the same: still an error
+    with raises_exactly(ValueError, "batched_nms: scores must be finite (no NaN or infinity)"):
+        batched_nms(boxes.cuda(), scores.cuda(), (torch.arange(n) % 80).cuda(), 0.5)
+
+
+@RunIf(min_cuda_gpus=1, compiled_ops=True)
 def test_cuda_kernel_rejects_non_finite_values_and_runs_under_autocast() -> None:
     if not _loader.has_kernel("cuda"):
         pytest.skip("lightning_balanced._C was built without CUDA")
