@@ -93,7 +93,7 @@ def test_tiled_schedule_matches_the_reference(data, iou_threshold, offset, tile_
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("by_class", [False, True], ids=["nms", "batched"])
 def test_tiled_schedule_on_many_tiles_and_blocks(layout: str, dtype: torch.dtype, by_class: bool) -> None:
     """5,000 boxes: 79 tiles of 64 rows, 79 blocks, 2 super-blocks; and the GPU's own tile and step-2 sizes."""
