@@ -48,8 +48,7 @@ namespace lightning_balanced::nms_tiled {
 
 constexpr int kWordBits = 64;    // boxes per block = bits per word of a bitmask
 constexpr int kMaxSuperBlocks = 64;  // blocks per super-block, at most (one ballot of a warp)
-constexpr int kGroupBlocks = 16;
-constexpr int kWarpReduceSteps = 5;  // the shuffles of an OR over a warp of 32  // blocks per work item of step 2 (a quarter of a super-block)
+constexpr int kWarpReduceSteps = 5;  // the shuffles of an OR over a warp of 32
 
 // ---- arithmetic, rounded to nearest ------------------------------------------------------------------------------
 #ifdef __CUDA_ARCH__
@@ -269,9 +268,8 @@ LB_HOST_DEVICE uint64_t open_rows(uint64_t suppressed, int rows) {
 // row r; `open` the rows not yet decided. In a round, an open row none of whose suppressors is open or kept is
 // kept, and an open row with a kept suppressor (kept before or in this round) is suppressed. The lowest open row
 // is decided in every round, so the rounds end, and each row gets the sequential pass's answer: it is kept
-// exactly when no kept earlier row suppresses it. A round is two ballots of the warp (`ballot(pred)`: the
-// 64-bit mask of the rows r for which pred(r) holds); the rounds follow the longest chain of suppressions in the
-// block, not the rows. Returns the kept rows.
+// exactly when no kept earlier row suppresses it. A round is two ballots of the warp (`ballot64`); the rounds
+// follow the longest chain of suppressions in the block, not the rows. Returns the kept rows.
 template <typename Warp>
 LB_HOST_DEVICE uint64_t resolve_block(const uint64_t* cols, uint64_t open, const Warp& warp) {
   uint64_t kept = 0;
@@ -495,7 +493,7 @@ LB_HOST_DEVICE void finish_tile_row(const Image<T>& im, const TileState& tile, i
 
 // Step 2 for the tile starting at rank `first`, warp `w` of `warps`: the pairs (kept row of the tile,
 // super-block), 32 at a time, one per lane, tested against the super-block's region and classes; for each pair
-// that may overlap, the warp tests the super-block's 64 blocks (a ballot) and, for each open block that may
+// that may overlap, the warp tests the super-block's blocks (a ballot) and, for each open block that may
 // overlap, the block's 64 boxes (2 per lane), marking in `removed` the undecided boxes the kept row suppresses.
 // Only kept rows suppress, and the spatial index prunes the pairs before any IoU is computed.
 template <typename T, typename Warp>
