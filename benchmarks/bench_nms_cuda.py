@@ -63,6 +63,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import bench_cuda  # the same folder: the script runs with it on sys.path
@@ -237,6 +238,22 @@ def _fmt_mib(nbytes: int | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
+@dataclass
+class Case:
+    """One op on one workload: seconds per call (ours, torchvision's or ``None``, our CPU kernel's), peak bytes of
+    one call on a GPU, and whether the kept indices equal the CPU kernel's (``exact``) and torchvision's."""
+
+    kept: int
+    ours_s: float
+    tv_s: float | None
+    tv_text: str  # torchvision's time in ms, "oom/skipped", or "-" (not run)
+    cpu_s: float
+    peak_ours: int | None
+    peak_tv: int | None
+    exact: bool
+    tv_same: str  # "yes", "no" or "-"
+
+
 class Bench:
     """Runs the table rows; keeps the worst ratio, the failures and the 1M mixed-size figures."""
 
@@ -280,66 +297,70 @@ class Bench:
             self.tv = None
             return "error"
 
+    def case(
+        self, op: str, label: str, boxes_cpu: torch.Tensor, scores_cpu: torch.Tensor, idxs_cpu: torch.Tensor
+    ) -> Case | None:
+        """``op`` on one workload: ours timed against torchvision's (when it fits), both peaks, our CPU kernel's
+        time; our kept indices must equal the CPU kernel's. Records failures and the worst ratio; ``None`` when a
+        call runs out of memory."""
+        n = boxes_cpu.shape[0]
+        boxes, scores, idxs = boxes_cpu.to(self.device), scores_cpu.to(self.device), idxs_cpu.to(self.device)
+        ours, cpu, tv_fn = _calls(op, boxes, scores, idxs, boxes_cpu, scores_cpu, idxs_cpu, self.args.iou, self.tv)
+        tv_status = None
+        if tv_fn is not None:
+            tv_status = None if self._tv_fits(op, n, idxs_cpu) else "skipped"
+            tv_status = tv_status or self._tv_first_call(tv_fn)
+        fns: dict[str, Fn] = {"ours": ours}
+        if tv_fn is not None and tv_status is None:
+            fns["tv"] = tv_fn
+        try:
+            times = measure(self.clock, fns, self.args.warmup, self.args.repeats, self.args.row_budget)
+            peak_ours = self.clock.peak_bytes(ours)
+            peak_tv = self.clock.peak_bytes(fns["tv"]) if "tv" in fns else None
+            kept = ours()
+        except torch.cuda.OutOfMemoryError as err:
+            torch.cuda.empty_cache()
+            self.failures.append(f"{label}: out of memory ({_describe(err)})")
+            return None
+        assert isinstance(kept, torch.Tensor)
+        start = time.perf_counter()
+        expected = cpu()
+        t_cpu = time.perf_counter() - start
+        kept_cpu = kept.cpu()
+        exact = torch.equal(kept_cpu, expected)
+        if not exact:
+            self.failures.append(f"{label}: CUDA kept indices differ from the CPU kernel's")
+        tv_same = "-"
+        if "tv" in fns:
+            tv_kept = fns["tv"]()
+            assert isinstance(tv_kept, torch.Tensor)
+            tv_kept = tv_kept.cpu()
+            # batched_nms: torchvision orders tied scores of different classes in any order
+            same = torch.equal(tv_kept, kept_cpu) if op == "nms" else set(tv_kept.tolist()) == set(kept_cpu.tolist())
+            tv_same = "yes" if same else "no"
+            ratio = times["ours"] / times["tv"]
+            self.worst = ratio if self.worst is None else max(self.worst, ratio)
+        tv_text = (
+            _fmt_ms(times.get("tv")) if "tv" in fns else ("oom/skipped" if tv_status in ("oom", "skipped") else "-")
+        )
+        return Case(
+            kept_cpu.numel(), times["ours"], times.get("tv"), tv_text, t_cpu, peak_ours, peak_tv, exact, tv_same
+        )
+
     def row(self, kind: str, dtype_name: str, n: int) -> None:
         boxes32, scores32, idxs_cpu = workload(kind, n, seed=n + WORKLOADS.index(kind))
         dtype = DTYPES[dtype_name]
         boxes_cpu, scores_cpu = boxes32.to(dtype), scores32.to(dtype)
-        boxes, scores, idxs = boxes_cpu.to(self.device), scores_cpu.to(self.device), idxs_cpu.to(self.device)
-        thr = self.args.iou
         for op in ("nms", "batched_nms"):
-            ours, cpu, tv_fn = _calls(op, boxes, scores, idxs, boxes_cpu, scores_cpu, idxs_cpu, thr, self.tv)
-            tv_status = None
-            if tv_fn is not None:
-                tv_status = None if self._tv_fits(op, n, idxs_cpu) else "skipped"
-                tv_status = tv_status or self._tv_first_call(tv_fn)
-                if tv_status == "error":
-                    tv_fn = None
-            tv_runs = tv_fn is not None and tv_status is None
-            try:
-                fns: dict[str, Fn] = {"ours": ours}
-                if tv_runs:
-                    assert tv_fn is not None
-                    fns["tv"] = tv_fn
-                times = measure(self.clock, fns, self.args.warmup, self.args.repeats, self.args.row_budget)
-                peak_ours = self.clock.peak_bytes(ours)
-                peak_tv = self.clock.peak_bytes(fns["tv"]) if tv_runs else None
-                kept = ours()
-            except torch.cuda.OutOfMemoryError as err:
-                torch.cuda.empty_cache()
-                self.failures.append(f"{op} {kind} {dtype_name} N={n}: out of memory ({_describe(err)})")
+            case = self.case(op, f"{op} {kind} {dtype_name} N={n}", boxes_cpu, scores_cpu, idxs_cpu)
+            if case is None:
                 print(f"{op:<12}{n:>9}  out of memory (ours, or torchvision after its first call)", flush=True)
                 continue
-            assert isinstance(kept, torch.Tensor)
-            start = time.perf_counter()
-            expected = cpu()
-            t_cpu = time.perf_counter() - start
-            kept_cpu = kept.cpu()
-            exact = torch.equal(kept_cpu, expected)
-            if not exact:
-                self.failures.append(f"{op} {kind} {dtype_name} N={n}: CUDA kept indices differ from the CPU kernel's")
-            tv_same = "-"
-            ratio_text, tv_text = "-", "-"
-            if tv_runs:
-                tv_kept = fns["tv"]()
-                assert isinstance(tv_kept, torch.Tensor)
-                tv_kept = tv_kept.cpu()
-                if op == "nms":
-                    same = torch.equal(tv_kept, kept_cpu)
-                else:  # torchvision orders tied scores of different classes in any order
-                    same = set(tv_kept.tolist()) == set(kept_cpu.tolist())
-                tv_same = "yes" if same else "no"
-                ratio = times["ours"] / times["tv"]
-                self.worst = ratio if self.worst is None else max(self.worst, ratio)
-                ratio_text, tv_text = f"{ratio:.3f}", _fmt_ms(times["tv"])
-            elif tv_status in ("oom", "skipped"):
-                tv_text = "oom/skipped"
-            if op == "nms" and kind == "mixed" and dtype_name == "float32" and n == 1_000_000:
-                self.mixed_1m = (times["ours"], peak_ours)
-            del kept
+            ratio_text = "-" if case.tv_s is None else f"{case.ours_s / case.tv_s:.3f}"
             print(
-                f"{op:<12}{n:>9}{kept_cpu.numel():>9}{_fmt_ms(times['ours']):>11}{tv_text:>13}{ratio_text:>8}"
-                f"{_fmt_ms(t_cpu):>11}{_fmt_mib(peak_ours):>10}{_fmt_mib(peak_tv):>10}  "
-                f"{'yes' if exact else 'NO':<5}  {tv_same}",
+                f"{op:<12}{n:>9}{case.kept:>9}{_fmt_ms(case.ours_s):>11}{case.tv_text:>13}{ratio_text:>8}"
+                f"{_fmt_ms(case.cpu_s):>11}{_fmt_mib(case.peak_ours):>10}{_fmt_mib(case.peak_tv):>10}  "
+                f"{'yes' if case.exact else 'NO':<5}  {case.tv_same}",
                 flush=True,
             )
 
@@ -492,30 +513,19 @@ def goal_row(
     worst_ms, worst_mib, exact = 0.0, 0, True
     for kind in kinds:
         boxes_cpu, scores_cpu, idxs_cpu = workload(kind, n, seed=n + 7)
-        boxes, scores, idxs = boxes_cpu.to(bench.device), scores_cpu.to(bench.device), idxs_cpu.to(bench.device)
-        ours, cpu, tv_fn = _calls(op, boxes, scores, idxs, boxes_cpu, scores_cpu, idxs_cpu, bench.args.iou, bench.tv)
-        fns: dict[str, Fn] = {"ours": ours}
-        if tv_fn is not None and bench._tv_fits(op, n, idxs_cpu) and bench._tv_first_call(tv_fn) is None:
-            fns["tv"] = tv_fn
-        times = measure(bench.clock, fns, bench.args.warmup, bench.args.repeats, bench.args.row_budget)
-        peak = bench.clock.peak_bytes(ours)
-        start = time.perf_counter()
-        expected = cpu()
-        t_cpu = time.perf_counter() - start
-        same = torch.equal(ours().cpu(), expected)  # type: ignore[union-attr]
-        if not same:
-            bench.failures.append(f"{row} {kind}: CUDA kept indices differ from the CPU kernel's")
-        exact = exact and same
-        if "tv" in times:
-            ratio = times["ours"] / times["tv"]
-            bench.worst = ratio if bench.worst is None else max(bench.worst, ratio)
+        case = bench.case(op, f"{row} {kind}", boxes_cpu, scores_cpu, idxs_cpu)
+        if case is None:
+            print(f"  {row:<18}{kind:<12}out of memory", flush=True)
+            exact = False
+            continue
+        exact = exact and case.exact
         if op == "nms" and n == 1_000_000:
-            bench.mixed_1m = (times["ours"], peak)
-        worst_ms = max(worst_ms, times["ours"] * 1e3)
-        worst_mib = max(worst_mib, peak or 0)
+            bench.mixed_1m = (case.ours_s, case.peak_ours)
+        worst_ms = max(worst_ms, case.ours_s * 1e3)
+        worst_mib = max(worst_mib, case.peak_ours or 0)
         print(
-            f"  {row:<18}{kind:<12}ours {_fmt_ms(times['ours'])} ms  tv {_fmt_ms(times.get('tv'))} ms  "
-            f"cpu {_fmt_ms(t_cpu)} ms  peak {_fmt_mib(peak)} MiB  exact={'yes' if same else 'NO'}",
+            f"  {row:<18}{kind:<12}ours {_fmt_ms(case.ours_s)} ms  tv {case.tv_text} ms  cpu {_fmt_ms(case.cpu_s)} ms"
+            f"  peak {_fmt_mib(case.peak_ours)} MiB  exact={'yes' if case.exact else 'NO'}  tv_same={case.tv_same}",
             flush=True,
         )
     memory_ok = goal_mib is None or not bench.clock.cuda or worst_mib / 2**20 <= goal_mib
