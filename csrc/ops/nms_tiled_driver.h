@@ -4,7 +4,8 @@
 // runs a warp-level step (see `Warp` in nms_tiled.h) once per warp.
 //
 // Fixed shapes and no host sync: the number of tiles depends on N only, the counts stay on the device, and
-// the kept indices go to a [B, capacity] output filled with -1. The unpadded ops read the counts back once.
+// the kept indices go to a [B, capacity] output filled with -1. The unpadded ops read the counts back once
+// (tiled_nms); batched_nms also reads the class sizes before.
 
 #pragma once
 
@@ -17,7 +18,6 @@
 #include <ATen/ops/_unique2.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/isinf.h>
-#include <ATen/ops/stack.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 
@@ -35,8 +35,6 @@ namespace lightning_balanced::nms_tiled {
 // output (8) and the tile masks (8 per 64 rows of a tile); before it, the sorts' buffers (torch's) take less.
 // Bounded here by 12 values and 48 + tile words x 8 bytes; a call that would need more than the limit is refused,
 // naming it.
-constexpr int64_t kPairPasses = 16;  // chosen on the cost model: 1M boxes of 2-200 px, 971k -> 529k serial steps
-
 constexpr int64_t kMaxScratchBytes = int64_t{2} << 30;  // 2 GiB
 
 inline int64_t scratch_bytes(int64_t boxes, int64_t value_bytes, int tile_rows) {
@@ -141,6 +139,10 @@ struct TiledInput {
   bool padded;       // score -inf marks a padding box, never kept
   int64_t capacity;  // kept indices stored per image
 };
+
+// Step 2's warps take a full tile's (kept row, super-block) pairs in at most this many passes; chosen on the cost
+// model (1M boxes of 2-200 px: 971k -> 529k serial steps against one pass).
+constexpr int64_t kPairPasses = 16;
 
 // Runs the tiled NMS with tiles of `tile_rows` rows (a multiple of 64) and step 2 over at most
 // `propagate_warps` warps per image; returns the kept input indices [B, capacity] (by decreasing score, -1
@@ -333,15 +335,10 @@ at::Tensor tiled_nms(const char* op, const at::Tensor& boxes, const at::Tensor& 
   Launch::library(n);
   const at::Tensor kept_first =
       std::get<1>(is_kept.index_select(0, order).sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
-  // One read: the kept count, and the errors (a real score of -inf would have been taken for padding).
-  const at::Tensor summary = at::stack({counters.select(1, kKept).sum(),
-                                        counters.select(1, kBadScore).sum().add(at::isinf(scores).any()),
-                                        counters.select(1, kBadBox).sum()})
-                                 .to(at::kCPU);
-  const int64_t* c = summary.const_data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(c[1] == 0, op, ": scores must be finite (no NaN or infinity)");
-  TORCH_CHECK_VALUE(c[2] == 0, op, ": box coordinates must be finite (no NaN or infinity)");
-  return order.index_select(0, kept_first.narrow(0, 0, c[0]));
+  // The classes' counters summed, read once; a real score of -inf, taken for padding above, counts as bad.
+  const at::Tensor totals = counters.sum(0);
+  totals.select(0, kBadScore).add_(at::isinf(scores).any());
+  return kept_indices(op, order.index_select(0, kept_first).unsqueeze(0), totals.unsqueeze(0));
 }
 
 // The padded op's result: keep [B, capacity] and num_kept [B] (the kept count up to the capacity, or -1 and an

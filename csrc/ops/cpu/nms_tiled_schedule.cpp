@@ -1,7 +1,9 @@
-// The private op `_nms_tiled_schedule`: the CUDA kernels' tiled NMS (ops/nms_tiled.h) run on the host by the
-// same step sequence (ops/nms_tiled_driver.h), each kernel's threads one after another and the tile kernel's
-// phases separated as its __syncthreads() separate them. The tests compare it with the reference at small tile
-// sizes (many tiles, many blocks), so the algorithm the GPU runs is checked on machines without one.
+// The private ops `_nms_tiled_schedule` (a batch, as batched_nms_padded) and `_nms_tiled` (as nms and
+// batched_nms): the CUDA kernels' tiled NMS (ops/nms_tiled.h) run on the host by the same step sequence
+// (ops/nms_tiled_driver.h), each kernel's threads one after another, a warp's lanes in a loop (HostWarp), and the
+// tile kernel's phases separated as its __syncthreads() separate them. The tests compare them with the reference
+// at small tile sizes (many tiles, many blocks), so the algorithm the GPU runs is checked on machines without
+// one; both also return the cost model of the GPU's schedule (a row per launch: kind, width, serial depth).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/tensor.h>
