@@ -23,7 +23,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,7 +33,7 @@ from torch.nn import Module
 from torchmetrics import Metric
 
 from lightning_balanced.data_parallel.barrier import ReplicaBarrier
-from lightning_balanced.data_parallel.replicate import record_device, refresh_parameter_copies
+from lightning_balanced.data_parallel.replicate import ReplicaParameters, record_device
 from lightning_balanced.data_parallel.stream_order import record_on, run_between
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
@@ -122,8 +122,7 @@ class SharedStep:
         root_device (torch.device): the root's device as the replicas see it (``cpu:0`` in the CPU emulation).
         root_stream (torch.cuda.Stream | None): ``None`` off CUDA.
         streams (Sequence[torch.cuda.Stream]): one per replica, on its device; empty off CUDA.
-        parameter_copies (Sequence[tuple[Tensor, Tensor]]): from
-            :func:`~lightning_balanced.data_parallel.replicate.parameter_copies`: refreshed after each
+        parameters (ReplicaParameters): the replicas' hold on the root's parameters, refreshed after each
             ``optimizer.step()`` of manual optimization.
     """
 
@@ -131,7 +130,7 @@ class SharedStep:
     root_device: torch.device
     root_stream: torch.cuda.Stream | None = None
     streams: Sequence[torch.cuda.Stream] = ()
-    parameter_copies: Sequence[tuple[Tensor, Tensor]] = ()
+    parameters: ReplicaParameters = field(default_factory=ReplicaParameters)
 
     def call_once(self, index: int, name: str, value: Any, action: Callable[[list[Any]], Any]) -> Any:
         """One lockstep call: replica ``index``'s ``name`` call meets the others' (in call order); ``action`` runs once.
@@ -194,7 +193,7 @@ def install_manual_optimization(
 
     ``manual_backward`` runs once on ``sum(loss_weight_i * loss_i)``, so the gradient is the full-batch gradient.
     ``optimizer.step()`` runs once on the root's parameters and then refreshes the replicas' copies of them
-    (``step.parameter_copies``), so what the replicas compute after it in the same step (a GAN's second pass) uses the
+    (``step.parameters``), so what the replicas compute after it in the same step (a GAN's second pass) uses the
     updated parameters, as on one device.
     """
     device = root.device
@@ -205,12 +204,10 @@ def install_manual_optimization(
 
         step.call_once(index, "manual_backward", loss * loss_weight, backward)
 
-    def refresh() -> None:
-        refresh_parameter_copies(step.parameter_copies)
-
     def optimizers(use_pl_optimizer: bool = True) -> Any:
         found = root.optimizers(use_pl_optimizer)
-        wrap = [_LockstepProxy(o, step, index, {"step": refresh, "zero_grad": None}) for o in _as_list(found)]
+        calls = {"step": step.parameters.refresh, "zero_grad": None}
+        wrap = [_LockstepProxy(o, step, index, calls) for o in _as_list(found)]
         return wrap if isinstance(found, list) else wrap[0]
 
     def lr_schedulers() -> Any:

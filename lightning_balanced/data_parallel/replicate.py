@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -13,7 +15,7 @@ from torch.nn.parallel import replicate as cuda_replicate
 
 from lightning_balanced.data_parallel.virtual_device import VirtualDeviceTensor, on_device
 
-__all__ = ["check_replicable", "parameter_copies", "record_device", "refresh_parameter_copies", "replicate"]
+__all__ = ["ReplicaParameters", "check_replicable", "record_device", "replicate"]
 
 ModuleT = TypeVar("ModuleT", bound=Module)
 
@@ -70,21 +72,51 @@ def _check_on_first_device(tensors: Iterable[Tensor], device: torch.device) -> N
             )
 
 
-def _host_copies(tensor: Tensor, devices: Sequence[torch.device], *, detach: bool, is_buffer: bool) -> list[Tensor]:
-    """What ``Broadcast`` gives each replica, emulated in host memory.
+class _HostBroadcast(torch.autograd.Function):
+    """``torch.nn.parallel._functions.Broadcast`` in host memory: one autograd function over all the parameters.
 
-    Replica 0 aliases the original tensor (a view when it takes part in autograd); the other replicas get copies, which
-    pass gradients back to the original as torch's ``Broadcast`` does. So in-place updates (BatchNorm running
-    statistics, a write to a parameter) persist from replica 0 only, exactly as on CUDA. Each copy carries its
-    replica's virtual device.
+    Replica 0 gets the parameters themselves back. As on CUDA, autograd then makes them views from a function of
+    several outputs, which it refuses to use once the parameter changed in place (``optimizer.step()`` within a step;
+    :class:`ReplicaParameters` re-aliases them). The other replicas get copies. The backward pass sums each
+    parameter's gradients over the replicas, in replica order, as ``ReduceAddCoalesced`` does.
     """
-    if tensor.requires_grad and not detach:
-        # Replica 0 aliases the leaf (torch's broadcast hands the source device its own tensor back); the others get
-        # copies whose gradients flow back to it, as Broadcast's do, so an in-place write reaches the leaf from
-        # replica 0 only, as on GPUs.
-        return [on_device(tensor.view_as(tensor) if i == 0 else tensor.clone(), d) for i, d in enumerate(devices)]
-    base = tensor.detach()
-    return [on_device(base if i == 0 else base.clone(), device) for i, device in enumerate(devices)]
+
+    @staticmethod
+    def forward(ctx: Any, num_devices: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.num_tensors = len(tensors)
+        ctx.set_materialize_grads(False)
+        return tuple(t if i == 0 else t.clone() for i in range(num_devices) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        k = ctx.num_tensors
+        sums: list[Tensor | None] = []
+        for j in range(k):
+            found = [g for g in grads[j::k] if g is not None]
+            sums.append(functools.reduce(torch.add, found) if found else None)
+        return (None, *sums)
+
+
+def _host_copies(
+    tensors: Sequence[Tensor], devices: Sequence[torch.device], *, detach: bool
+) -> dict[Tensor, list[Tensor]]:
+    """What ``Broadcast`` gives each replica of each tensor, emulated in host memory, on its replica's virtual device.
+
+    Replica 0 aliases the original tensor (a view from :class:`_HostBroadcast` when it takes part in autograd); the
+    other replicas get copies, which pass gradients back to the original as torch's ``Broadcast`` does. So in-place
+    updates (BatchNorm running statistics, a write to a parameter) persist from replica 0 only, exactly as on CUDA.
+    """
+    copies: dict[Tensor, list[Tensor]] = {}
+    differentiable = [t for t in tensors if t.requires_grad and not detach]
+    if differentiable:
+        outputs = _HostBroadcast.apply(len(devices), *differentiable)
+        for j, tensor in enumerate(differentiable):
+            copies[tensor] = [on_device(outputs[i * len(differentiable) + j], d) for i, d in enumerate(devices)]
+    for tensor in tensors:
+        if tensor not in copies:
+            base = tensor.detach()
+            copies[tensor] = [on_device(base if i == 0 else base.clone(), d) for i, d in enumerate(devices)]
+    return copies
 
 
 def _replicate_on_host(
@@ -95,8 +127,8 @@ def _replicate_on_host(
     detach: bool,
 ) -> list[Module]:
     index = {module: i for i, module in enumerate(modules)}
-    params = {param: _host_copies(param, devices, detach=detach, is_buffer=False) for param in parameters}
-    buffer_copies = {buffer: _host_copies(buffer, devices, detach=detach, is_buffer=True) for buffer in buffers}
+    params = _host_copies(parameters, devices, detach=detach)
+    buffer_copies = _host_copies(buffers, devices, detach=detach)
 
     copies = [[module._replicate_for_data_parallel() for module in modules] for _ in devices]
     for j, replica_modules in enumerate(copies):
@@ -133,41 +165,68 @@ def record_device(network: Module, device: torch.device) -> None:
             module.__dict__["_device"] = device
 
 
-def parameter_copies(network: Module, replicas: Sequence[Module]) -> list[tuple[Tensor, Tensor]]:
-    """``(parameter, copy)`` for every parameter of ``network`` that a replica holds as a copy of its own.
+@dataclass(frozen=True)
+class ReplicaParameters:
+    """How the replicas of one step hold ``network``'s parameters, to refresh after ``optimizer.step()`` in the step.
 
-    Broadcast gives each replica but the one on the source device a copy of every parameter (torch's ``replicate``
-    on CUDA, a replica on a repeated GPU included, and the emulation alike); a change of the parameter in place
-    (``optimizer.step()``) does not reach the copies. Call before anything replaces a replica's submodules: the
-    replicas are walked side by side with ``network``.
+    Broadcast (torch's ``replicate`` on CUDA, the emulation alike) gives the replica on the source device the
+    parameters themselves, as views from one autograd function of many outputs, which autograd refuses to use once
+    the parameter changed in place ("Output 0 of BroadcastBackward is a view and its base ... has been modified
+    inplace"); it gives every other replica, one on a repeated GPU included, a copy, which the change does not reach.
+    Without :meth:`refresh`, a replica's later forward pass in the same step (a GAN's discriminator pass after the
+    generator's step) would fail on the source device and read the old values elsewhere.
 
-    Args:
-        network (Module): the module the replicas were made from.
-        replicas (Sequence[Module]): from :func:`replicate` of ``network``.
-
-    Returns:
-        list[tuple[Tensor, Tensor]]: pairs to hand to :func:`refresh_parameter_copies`; copies that share their
-        parameter's memory (replica 0's) are left out.
+    Attributes:
+        copies (tuple[tuple[Tensor, Tensor], ...]): ``(parameter, copy)`` for each copy a replica holds.
+        aliases (tuple[tuple[Module, str, Tensor], ...]): ``(replica's module, attribute, parameter)`` for each
+            parameter a replica holds as a view of its own memory.
     """
-    pairs: list[tuple[Tensor, Tensor]] = []
-    for replica in replicas:
-        for module, copied in zip(network.modules(), replica.modules(), strict=True):
-            for key, param in module._parameters.items():
-                copy = copied.__dict__.get("_former_parameters", {}).get(key)
-                if param is not None and copy is not None and copy.data_ptr() != param.data_ptr():
-                    pairs.append((param, copy))
-    return pairs
 
+    copies: tuple[tuple[Tensor, Tensor], ...] = ()
+    aliases: tuple[tuple[Module, str, Tensor], ...] = ()
 
-def refresh_parameter_copies(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
-    """Copy each parameter's current value into its replicas' copies (after ``optimizer.step()`` within a step).
+    @classmethod
+    def of(cls, network: Module, replicas: Sequence[Module]) -> ReplicaParameters:
+        """Read from ``replicas``, made by :func:`replicate` of ``network``.
 
-    Without it, a replica's later forward pass in the same step (a GAN's discriminator pass after the generator's
-    step) would read the values from before the step, on GPUs as in the emulation. Autograd does not see the copy.
-    """
-    with torch.no_grad():
-        for param, copy in pairs:
-            copy.copy_(param)
+        Call it before anything replaces a replica's submodules: the replicas are walked side by side with ``network``.
+        """
+        copies: list[tuple[Tensor, Tensor]] = []
+        aliases: list[tuple[Module, str, Tensor]] = []
+        for replica in replicas:
+            for module, copied in zip(network.modules(), replica.modules(), strict=True):
+                for key, param in module._parameters.items():
+                    held = copied.__dict__.get("_former_parameters", {}).get(key)
+                    if param is None or held is None:
+                        continue
+                    if held.data_ptr() != param.data_ptr():
+                        copies.append((param, held))
+                    elif held.requires_grad:
+                        aliases.append((copied, key, param))
+        return cls(tuple(copies), tuple(aliases))
+
+    def refresh(self) -> None:
+        """Bring the replicas up to date with the parameters, changed in place.
+
+        Each copy gets the parameter's current value (autograd does not see the copy); each alias is replaced by a new
+        view of the parameter, autograd's usual view, which allows later changes in place.
+        """
+        with torch.no_grad():
+            for param, copy in self.copies:
+                copy.copy_(param)
+        for module, key, param in self.aliases:
+            # Connected to the parameter as Broadcast's view was, whatever its requires_grad now (toggle_optimizer
+            # turns it off between the steps of a GAN): autograd's accumulation reads it when the gradient arrives.
+            toggled_off = not param.requires_grad
+            with torch.enable_grad():
+                param.requires_grad_(True)
+                try:
+                    alias = on_device(param.view_as(param), module.__dict__[key].device)
+                finally:
+                    param.requires_grad_(not toggled_off)
+            module.__dict__[key] = alias
+            former: dict[str, Tensor] = module.__dict__["_former_parameters"]
+            former[key] = alias
 
 
 def _unregister_parameters(module: Module) -> None:

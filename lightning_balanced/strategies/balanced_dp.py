@@ -47,7 +47,7 @@ from lightning_balanced.data_parallel.replica_context import (
     replay_logs,
     share_metrics,
 )
-from lightning_balanced.data_parallel.replicate import parameter_copies
+from lightning_balanced.data_parallel.replicate import ReplicaParameters
 from lightning_balanced.data_parallel.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.data_parallel.virtual_device import emulated_device, emulated_step
 from lightning_balanced.evaluation.mixin import REPLICA_POSITION
@@ -356,7 +356,7 @@ class BalancedDataParallel(SingleProcess):
             torch.cuda.current_stream(self.root_device) if streams else None,
             streams,
             # Before share_metrics: the replicas are walked side by side with the dispatcher.
-            parameter_copies(dispatcher, replicas) if manual else (),
+            ReplicaParameters.of(dispatcher, replicas) if manual else ReplicaParameters(),
         )
         self._steps_run += 1
         for i, replica in enumerate(replicas):

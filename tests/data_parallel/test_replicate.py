@@ -24,7 +24,9 @@ from lightning_balanced.data_parallel import (
     scatter,
     virtual_devices,
 )
+from lightning_balanced.data_parallel.replicate import ReplicaParameters
 from lightning_balanced.data_parallel.virtual_device import on_device
+from tests.helpers import CUDA_DEVICE_LISTS
 
 CPU = torch.device("cpu")
 
@@ -401,3 +403,45 @@ def test_parallel_apply_rejects_sequences_of_different_lengths() -> None:
 def test_no_replicas_give_no_outputs() -> None:
     # As torch.nn.parallel.parallel_apply([], [], [], []); replicate(module, []) already returns [].
     assert parallel_apply([], [], [], []) == []
+
+
+_MULTI_OUTPUT_VIEW = re.compile(
+    r"^Output \d+ of \w+ is a view and its base or another view of its base has been modified inplace\. This view is"
+    r" the output of a function that returns multiple views\. Such functions do not allow the output views to be"
+    r" modified inplace\. You should replace the inplace operation by an out-of-place one\.$"
+)
+
+
+@pytest.mark.parametrize(
+    "devices",
+    [pytest.param(_devices(3), id="emulation"), *CUDA_DEVICE_LISTS],
+)
+def test_a_parameter_changed_in_place_reaches_every_replica_once_refreshed(devices: list[torch.device]) -> None:
+    # optimizer.step() inside a step (manual optimization). Replica 0 holds Broadcast's multi-output view of the
+    # parameter, which autograd refuses after the change (the emulation as torch's Broadcast on CUDA); the other
+    # replicas hold stale copies. After refresh() every replica computes with the new values and passes its gradient
+    # to the parameter, also when requires_grad was off during the refresh (toggle_optimizer).
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2).double().to(devices[0])
+    replicas = replicate(net, devices)
+    held = ReplicaParameters.of(net, replicas)
+    xs = [on_device(torch.randn(2, 3, dtype=torch.float64), device) for device in devices]
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match=_MULTI_OUTPUT_VIEW):
+        replicas[0](xs[0])
+
+    net.weight.requires_grad_(False)
+    held.refresh()
+    net.weight.requires_grad_(True)
+    outputs = [replica(x) for replica, x in zip(replicas, xs, strict=True)]
+    sum(out.to(devices[0]).sum() for out in outputs).backward()
+
+    reference = copy.deepcopy(net).cpu()
+    reference.zero_grad()
+    for out, x in zip(outputs, xs, strict=True):
+        expected = reference(x.cpu())
+        torch.testing.assert_close(out.cpu(), expected.detach(), **EXACT)
+        expected.sum().backward()
+    torch.testing.assert_close(net.weight.grad.cpu(), reference.weight.grad, **EXACT)
+    torch.testing.assert_close(net.bias.grad.cpu(), reference.bias.grad, **EXACT)
