@@ -46,15 +46,33 @@ log = logging.getLogger(__name__)
 LOSS_HOOK = "compute_loss"
 
 
-class _CheckpointedStage(nn.Module):
-    """A stage whose activations are recomputed in backward (``torch.utils.checkpoint``, non-reentrant)."""
+class _Stage(nn.Module):
+    """One stage as torch's ``PipelineStage`` runs it: its layers, recomputed in backward when checkpointed.
 
-    def __init__(self, stage: nn.Module) -> None:
+    Checkpointing is ``torch.utils.checkpoint``, non-reentrant. An output tensor that is a leaf (the stage's own input,
+    returned by a stage of only ``nn.Identity`` or ``nn.Dropout(0.0)``) leaves as a copy: torch 2.11's split backward
+    (``stage_backward_input``, the zero-bubble schedules) detaches the stage's outputs in place, which then detached the
+    receive buffer of the next micro-batch ("element 0 of tensors does not require grad and does not have a grad_fn").
+    A copy, not a view: a view cannot be detached in place. Only such a stage pays for it.
+    """
+
+    def __init__(self, layers: nn.Module, checkpointed: bool) -> None:
         super().__init__()
-        self.stage = stage
+        self.layers = layers
+        self.checkpointed = checkpointed
 
     def forward(self, x: Tensor) -> Any:
-        return activation_checkpoint(self.stage, x, use_reentrant=False)
+        output = activation_checkpoint(self.layers, x, use_reentrant=False) if self.checkpointed else self.layers(x)
+        return _with_grad_fn(output)
+
+
+def _with_grad_fn(output: Any) -> Any:
+    """``output`` with each leaf tensor that requires grad replaced by a copy of itself (in tuples and lists too)."""
+    if isinstance(output, Tensor):
+        return output.clone() if output.requires_grad and output.grad_fn is None else output
+    if isinstance(output, (tuple, list)) and not hasattr(output, "_fields"):
+        return type(output)(_with_grad_fn(item) for item in output)
+    return output
 
 
 class _PipelinedSequential(nn.Sequential):
@@ -341,7 +359,7 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         stages = cut_sequential(sequential, balance)
         self._owners = stage_owners(p, k, self.schedule.placement)
         mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
-        self._stages = {s: _CheckpointedStage(stages[s]) if self.activation_checkpointing else stages[s] for s in mine}
+        self._stages = {s: _Stage(stages[s], self.activation_checkpointing) for s in mine}
         self._schedules = {}
         self._timer = BusyTimer(self.root_device) if self.log_bubble else None
         self._pipelined = _PipelinedSequential(sequential, self)

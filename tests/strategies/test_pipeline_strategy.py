@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import tests.distributed
 from lightning_balanced import DistributedEvalMixin, GPipeStrategy, LRScaledPipelineStrategy, PipelineStrategy
 from lightning_balanced.pipeline.stage_plan import SCHEDULES, stage_indices, stage_owners
+from lightning_balanced.strategies.pipeline import _Stage
 from tests.distributed import DistributedRankError, lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 
@@ -345,6 +346,22 @@ def test_a_checkpoint_goes_from_two_stages_to_gpipe_to_four_stages_and_trains_on
 
 
 # ---- pure parts: placements and arguments --------------------------------------------------------------------------
+@pytest.mark.parametrize("layer", [nn.Identity(), nn.Dropout(0.0)], ids=["identity", "dropout-0"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_a_stage_that_returns_its_input_gives_a_tensor_that_split_backward_can_detach(
+    layer: nn.Module, checkpointed: bool
+) -> None:
+    # torch 2.11's stage_backward_input detaches the stage's outputs in place: an output that is the received input
+    # itself detached the receive buffer, and the next micro-batch failed (seen with 4 ranks, InterleavedZeroBubble).
+    received = torch.randn(4, 3, dtype=torch.float64).requires_grad_()
+    output = _Stage(nn.Sequential(layer).train(), checkpointed)(received)
+    assert output is not received and not output._is_view() and output.grad_fn is not None
+    (grad,) = torch.autograd.grad(output, received, torch.full_like(output, 2.0), retain_graph=True)
+    torch.testing.assert_close(grad, torch.full_like(received, 2.0), rtol=0, atol=0)
+    output.detach_()
+    assert received.requires_grad
+
+
 def test_stage_placements_follow_the_schedules_conventions() -> None:
     assert [stage_indices(r, 4, 1, "single") for r in range(4)] == [[0], [1], [2], [3]]
     assert [stage_indices(r, 2, 3, "loop") for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
