@@ -217,13 +217,13 @@ class ReplicaParameters:
         for module, key, param in self.aliases:
             # Connected to the parameter as Broadcast's view was, whatever its requires_grad now (toggle_optimizer
             # turns it off between the steps of a GAN): autograd's accumulation reads it when the gradient arrives.
-            toggled_off = not param.requires_grad
+            requires_grad = param.requires_grad
             with torch.enable_grad():
                 param.requires_grad_(True)
                 try:
                     alias = on_device(param.view_as(param), module.__dict__[key].device)
                 finally:
-                    param.requires_grad_(not toggled_off)
+                    param.requires_grad_(requires_grad)
             module.__dict__[key] = alias
             former: dict[str, Tensor] = module.__dict__["_former_parameters"]
             former[key] = alias
