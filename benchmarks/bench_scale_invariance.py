@@ -4,8 +4,9 @@ The digits job (scikit-learn's 8x8 digits, a conv-BatchNorm CNN, float64) trains
 0.999), eps 1e-8, tuned at batch 32) under ``strategy="ddp"`` on 1, 2 and 4 spawned gloo CPU processes at per-device
 batch 32, so the effective batch is 32, 64 and 128 (``kappa`` = 1, 2, 4). The config is the same apart from
 ``devices``: a :class:`~lightning_balanced.scale_invariance.ScaleInvariance` callback with ``reference_batch_size=32``
-and a warmup of 512 samples, under each policy (``--per-device-batch 4`` runs the same at batch 4, 8 and 16, the
-reference following it: batches well below the gradient noise scale):
+and a linear warmup over the first 512 samples (on every scale, 1 process included), under each policy
+(``--per-device-batch 4`` runs the same at batch 4, 8 and 16, the reference following it: batches well below the
+gradient noise scale; ``--policies`` picks some):
 
 * ``adam_sde+ema``: the SDE rule for Adam (lr x sqrt(kappa), 1 - beta x kappa, eps / sqrt(kappa); Malladi et al.,
   NeurIPS 2022) and the EMA rule for BatchNorm's momentum (Busbridge et al., NeurIPS 2023);
@@ -149,7 +150,9 @@ class ValidationCurve(pl.Callback):
             self.noise_scales.append(gradient_noise_scale(net, self.train, self.batch))
 
 
-def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: int, batch: int, queue: Any) -> None:
+def _rank(
+    rank: int, world_size: int, port: int, seeds: int, lr: float, every: int, batch: int, names: list[str], queue: Any
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
@@ -157,9 +160,9 @@ def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: i
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     train, val = digits()
     steps_per_checkpoint = every // (batch * world_size)
-    curves: dict[str, list[list[float]]] = {name: [] for name in POLICIES}
+    curves: dict[str, list[list[float]]] = {name: [] for name in names}
     noise_scales: list[list[float]] = []
-    for name, policy in POLICIES.items():
+    for name in names:
         for seed in range(seeds):
             pl.seed_everything(seed, verbose=False)
             model = Digits(lr)
@@ -175,7 +178,7 @@ def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: i
                 enable_model_summary=False,
                 limit_val_batches=0,
                 callbacks=[
-                    ScaleInvariance(policy, reference_batch_size=batch, warmup_samples=WARMUP_SAMPLES),
+                    ScaleInvariance(POLICIES[name], reference_batch_size=batch, warmup_samples=WARMUP_SAMPLES),
                     curve,
                 ],
             )
@@ -190,7 +193,7 @@ def _rank(rank: int, world_size: int, port: int, seeds: int, lr: float, every: i
 
 
 def run(
-    world_size: int, seeds: int, lr: float, every: int, batch: int = PER_DEVICE_BATCH
+    world_size: int, seeds: int, lr: float, every: int, batch: int = PER_DEVICE_BATCH, names: list[str] | None = None
 ) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
     """Each policy's curves (one per seed, ``CHECKPOINTS`` losses each) on ``world_size`` spawned processes, and on
     one process the gradient noise scale at each checkpoint (one list per run)."""
@@ -199,7 +202,10 @@ def run(
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").Queue()
     mp.start_processes(
-        _rank, args=(world_size, port, seeds, lr, every, batch, queue), nprocs=world_size, start_method="spawn"
+        _rank,
+        args=(world_size, port, seeds, lr, every, batch, names or list(POLICIES), queue),
+        nprocs=world_size,
+        start_method="spawn",
     )
     return queue.get()  # type: ignore[no-any-return]
 
@@ -229,6 +235,7 @@ def main() -> None:
         help="each process's batch; also the reference batch the hyperparameters are tuned at (1 process)",
     )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     parser.add_argument("--plot", default=None, help="save the curves to this image (needs matplotlib)")
     parser.add_argument("--json", default=None, help="write the curves to this file")
     args = parser.parse_args()
@@ -243,7 +250,7 @@ def main() -> None:
     batch = args.per_device_batch
     if every % (batch * max(args.world_sizes)):
         parser.error(f"--checkpoint-samples must be a multiple of {batch} x the largest world size")
-    runs = {world_size: run(world_size, args.seeds, args.lr, every, batch) for world_size in args.world_sizes}
+    runs = {w: run(w, args.seeds, args.lr, every, batch, args.policies) for w in args.world_sizes}
     results = {world_size: curves for world_size, (curves, _) in runs.items()}
     noise = runs[1][1]
     samples = [every * (i + 1) for i in range(CHECKPOINTS)]
@@ -256,7 +263,7 @@ def main() -> None:
     print(f"{'B_simple':>13} w=1  " + " ".join(f"{value:6.1f}" for value in scales) + "  (gradient noise scale)")
     inside: dict[str, list[int]] = {}
     worst: dict[str, float] = {}
-    for name in POLICIES:
+    for name in args.policies:
         anchor = results[1][name]
         inside[name] = []
         worst[name] = 0.0
@@ -273,12 +280,11 @@ def main() -> None:
             if max(scores) <= 2:
                 inside[name].append(world_size)
             worst[name] = max(worst[name], max(scores))
+    keys = {name: name.replace("+", "_") for name in args.policies}
     print(
-        f"adam_sde_ema_inside={inside['adam_sde+ema']} linear_ema_inside={inside['linear+ema']}"
-        f" sqrt_inside={inside['sqrt']}"
-        f" worst_z_adam_sde_ema={worst['adam_sde+ema']:.2f} worst_z_linear_ema={worst['linear+ema']:.2f}"
-        f" worst_z_sqrt={worst['sqrt']:.2f}"
-        f" max_noise_scale={max(scales):.1f}"
+        " ".join(f"{keys[name]}_inside={inside[name]}" for name in args.policies)
+        + "".join(f" worst_z_{keys[name]}={worst[name]:.2f}" for name in args.policies)
+        + f" max_noise_scale={max(scales):.1f}"
     )
     if args.json:
         with open(args.json, "w") as file:
@@ -289,8 +295,9 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        figure, axes = plt.subplots(1, len(POLICIES), figsize=(5 * len(POLICIES), 4), sharey=True)
-        for axis, name in zip(axes, POLICIES, strict=True):
+        columns = len(args.policies)
+        figure, axes = plt.subplots(1, columns, figsize=(5 * columns, 4), sharey=True, squeeze=False)
+        for axis, name in zip(axes[0], args.policies, strict=True):
             for world_size in args.world_sizes:
                 curves = results[world_size][name]
                 means = [statistics.fmean(curve[i] for curve in curves) for i in range(CHECKPOINTS)]

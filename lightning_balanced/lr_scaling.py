@@ -36,6 +36,7 @@ __all__ = [
     "scaled_ema_momentum",
     "scaled_hyperparameters",
     "unscale_learning_rates",
+    "warmup_in_samples",
     "warmup_multiplier",
 ]
 
@@ -120,6 +121,29 @@ def warmup_multiplier(step: int, warmup_steps: int, factor: float) -> float:
         return 1.0
     start = 1.0 / factor
     return start + (1.0 - start) * step / warmup_steps
+
+
+def warmup_in_samples(start: float, batch: float, warmup_samples: int) -> float:
+    """Linear warmup counted in samples: the multiplier on the learning rate of a step.
+
+    The step's batch holds samples ``[start, start + batch)`` of the run. The ramp ``min(1, s / warmup_samples)``
+    rises from 0 at sample 0 to 1 at ``warmup_samples``, the same on every scale; a step takes the ramp's mean over
+    the samples it consumes: ``(start + batch / 2) / warmup_samples`` inside the ramp. So over any span of samples the
+    mean learning rate is the same whatever the batch, which is what keeps a curve against samples seen in place while
+    the batch changes. It is 1 once ``start >= warmup_samples``, and always with ``warmup_samples == 0``.
+
+    Args:
+        start (float): samples seen (by all data-parallel ranks) before the step, >= 0.
+        batch (float): samples the step consumes: the effective batch size, > 0.
+        warmup_samples (int): the length of the ramp in samples, >= 0.
+    """
+    end = start + batch
+    if warmup_samples <= 0 or start >= warmup_samples:
+        return 1.0
+    if end <= warmup_samples:
+        return (start + batch / 2) / warmup_samples
+    ramp = (warmup_samples * warmup_samples - start * start) / (2 * warmup_samples)  # area under the ramp part
+    return (ramp + (end - warmup_samples)) / batch
 
 
 def _walk_schedulers(schedulers: Iterable[Any]) -> Iterator[Any]:

@@ -17,7 +17,8 @@ at, the scaling rules say how to change them so that training follows the same c
   statistics would average ``kappa`` times fewer samples than one process's, and evaluate worse.
 
 Schedules and warmup are counted in samples (:class:`ScaleInvariance`'s ``warmup_samples`` and
-``schedules_in_samples``), so the same config means the same thing on 1 or 8 processes.
+``schedules_in_samples``), so the same config means the same thing on 1 or 8 processes: the warmup ramp is a function
+of samples seen, run on every scale (``kappa = 1`` included), each step taking its mean over the samples it consumes.
 
 The rules are pure functions of ``kappa`` in :mod:`lightning_balanced.lr_scaling` (:class:`ScalingPolicy`,
 :func:`scaled_hyperparameters`, :func:`scaled_ema_momentum`), shared with ``ddp_lr_*``; the callback applies them once
@@ -47,7 +48,7 @@ from lightning_balanced.lr_scaling import (
     rescale_learning_rates,
     scaled_ema_momentum,
     scaled_hyperparameters,
-    warmup_multiplier,
+    warmup_in_samples,
 )
 from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
 from lightning_balanced.progress_log import rank_zero_report
@@ -92,8 +93,12 @@ class ScaleInvariance(Callback):
         policy: ``"linear"``, ``"sqrt"``, ``"adam_sde"``, or a list adding ``"ema"`` (``["adam_sde", "ema"]``), or a
             :class:`ScalingPolicy`.
         reference_batch_size (int): the effective batch size the hyperparameters were tuned at.
-        warmup_samples (int): gradual warmup counted in samples: the learning rate rises linearly from the reference
-            one to the scaled one over the first ``warmup_samples`` samples (Goyal et al. 2017), on any scale.
+        warmup_samples (int): linear warmup counted in samples, on every scale (one process included): the learning
+            rate rises linearly from 0 to its (scaled) value over the first ``warmup_samples`` samples seen by all
+            ranks, each step taking the ramp's mean over the samples it consumes
+            (:func:`~lightning_balanced.lr_scaling.warmup_in_samples`), so every scale sees the same learning rate per
+            sample. The samples seen are saved in checkpoints (this callback's state), so a resume on another number
+            of processes continues the ramp where it was.
         schedules_in_samples (bool): step-interval LR schedulers advance by ``kappa`` steps per optimizer step (their
             steps count reference batches), so a schedule means the same number of samples on any scale.
 
@@ -118,6 +123,10 @@ class ScaleInvariance(Callback):
         self.schedules_in_samples = check_bool("schedules_in_samples", schedules_in_samples)
         self.kappa = 1.0
         self.effective_batch_size = reference_batch_size
+        #: Samples seen by all data-parallel ranks in the completed training batches of the run (saved in checkpoints).
+        self.samples_seen = 0.0
+        self._samples_per_batch = float(reference_batch_size)
+        self._restored_samples: float | None = None
         self._momentum: dict[_BatchNorm, float] = {}
         self._averaged: list[tuple[AveragedModel, str, Any]] = []
         self._ema: list[tuple[Any, float]] = []
@@ -152,6 +161,12 @@ class ScaleInvariance(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.effective_batch_size = self._effective_batch_size(trainer)
         self.kappa = kappa = self.effective_batch_size / self.reference_batch_size
+        self._samples_per_batch = self.effective_batch_size / trainer.accumulate_grad_batches
+        if self._restored_samples is not None:  # from this callback's state in the checkpoint
+            self.samples_seen, self._restored_samples = self._restored_samples, None
+        else:  # a fresh run (0), or a checkpoint saved without this callback: its batches at today's batch size
+            completed = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+            self.samples_seen = completed * self._samples_per_batch
         why = f"kappa {kappa:.6g} = effective batch {self.effective_batch_size} / reference {self.reference_batch_size}"
         lines = [f"scale invariance ({self.policy.lr_rule}{' + ema' if self.policy.ema else ''}): {why}"]
         source = LR_RULES[self.policy.lr_rule]
@@ -163,7 +178,7 @@ class ScaleInvariance(Callback):
                 lines.append(f"  optimizer {index} group {g} lr: {old:.6g} -> {_float(group['lr']):.6g} ({source})")
                 lines += self._scale_group(group, f"optimizer {index} group {g}", kappa, source)
             if self.warmup_samples:
-                self._hooks += _warmup_hooks(optimizer, self, trainer)
+                self._hooks += _warmup_hooks(optimizer, self)
         if self.schedules_in_samples:
             for config in trainer.lr_scheduler_configs:
                 if config.interval == "step" and not isinstance(config.scheduler, SampleStepping):
@@ -217,8 +232,22 @@ class ScaleInvariance(Callback):
                 lines.append(f"  {name} AveragedModel decay: {decay} -> {new:.6g} ({EMA_RULE_SOURCE})")
         return lines
 
+    def step_start(self) -> float:
+        """Samples seen before the samples of the optimizer step running now (inside the current training batch)."""
+        return max(0.0, self.samples_seen + self._samples_per_batch - self.effective_batch_size)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples_seen": self.samples_seen}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_samples = float(state_dict["samples_seen"])
+
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # Before ModelCheckpoint's hook (Lightning runs checkpoint callbacks last), so a checkpoint counts this batch.
+        self.samples_seen += self._samples_per_batch
         # Every batch, not only before the statistics are read: DDP broadcasts rank 0's buffers at each forward
         # (`broadcast_buffers`), which would drop the other ranks' updates of all but the last step.
         if self.policy.ema:
@@ -310,13 +339,12 @@ class SampleStepping:
         return getattr(self.__dict__["scheduler"], name)
 
 
-def _warmup_hooks(optimizer: Optimizer, callback: ScaleInvariance, trainer: pl.Trainer) -> list[Any]:
+def _warmup_hooks(optimizer: Optimizer, callback: ScaleInvariance) -> list[Any]:
     """Optimizer step hooks that scale the learning rate for the step only (so schedulers never see it)."""
     saved: list[Any] = []
 
     def before(opt: Optimizer, args: Any, kwargs: Any) -> None:
-        samples = trainer.global_step * callback.effective_batch_size
-        multiplier = warmup_multiplier(samples, callback.warmup_samples, callback.policy.lr_factor(callback.kappa))
+        multiplier = warmup_in_samples(callback.step_start(), callback.effective_batch_size, callback.warmup_samples)
         if multiplier == 1.0:
             return
         saved[:] = [group["lr"] for group in opt.param_groups]

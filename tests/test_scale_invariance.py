@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_balanced.lr_scaling import warmup_in_samples
 from lightning_balanced.scale_invariance import (
     REFERENCE_KEY,
     SampleStepping,
@@ -244,13 +245,53 @@ def test_schedules_count_reference_batches_and_warmup_counts_samples() -> None:
     callback = ScaleInvariance("linear", reference_batch_size=8, warmup_samples=64, schedules_in_samples=True)
     trainer = _fit(model, [callback], batch_size=16, max_steps=4)
     lrs = [seen["lr"] for seen in model.seen]
-    # kappa 2: lr 0.2; the warmup rises from the reference 0.1 at sample 0 over 64 samples (steps 0-3 of 16 each);
+    # kappa 2: lr 0.2; step k consumes samples [16k, 16k + 16) and takes the ramp s / 64 at their middle;
     # StepLR(step_size=4) advances 2 of its steps per optimizer step, so it halves after 2 optimizer steps.
-    warm = [0.1 + 0.1 * 16 * step / 64 for step in range(4)]
+    warm = [(16 * step + 8) / 64 for step in range(4)]
     scheduled = [0.2, 0.2, 0.1, 0.1]
-    assert lrs == pytest.approx([w / 0.2 * s for w, s in zip(warm, scheduled, strict=True)])
+    assert lrs == pytest.approx([w * s for w, s in zip(warm, scheduled, strict=True)])
     assert isinstance(trainer.lr_scheduler_configs[0].scheduler, SampleStepping)
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 8  # 4 optimizer steps x kappa 2
+    assert callback.samples_seen == 64
+
+
+@pytest.mark.parametrize("batch_size", [8, 16, 32])
+def test_the_warmup_gives_every_scale_the_same_learning_rate_per_sample(batch_size: int) -> None:
+    # kappa 1, 2 and 4 over the same 128 samples: the warmup runs at kappa 1 too, and the sum of lr x batch over the
+    # steps (the learning rate each sample saw) is the ramp's integral, the same on every scale.
+    model = Net("sgd")
+    callback = ScaleInvariance("linear", reference_batch_size=8, warmup_samples=96)
+    _fit(model, [callback], batch_size=batch_size, max_steps=128 // batch_size)
+    kappa = batch_size / 8
+    per_sample = sum(seen["lr"] / kappa * batch_size for seen in model.seen)  # in units of the reference lr
+    ramp = 0.1 * (96 / 2 + (128 - 96))  # the integral of 0.1 x min(1, s / 96) over s in [0, 128)
+    assert per_sample == pytest.approx(ramp, rel=1e-12)
+    assert model.seen[0]["lr"] == pytest.approx(0.1 * kappa * (batch_size / 2) / 96)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 40), st.integers(0, 2000))
+def test_warmup_in_samples_is_the_ramps_mean_over_each_steps_samples(batch: int, steps: int, warmup: int) -> None:
+    total = sum(warmup_in_samples(step * batch, batch, warmup) * batch for step in range(steps))
+    end = steps * batch
+    integral = float(end) if warmup == 0 else min(end, warmup) ** 2 / (2 * warmup) + max(0, end - warmup)
+    assert total == pytest.approx(integral, rel=1e-12)
+
+
+def test_a_resume_on_another_scale_continues_the_warmup_where_it_was(tmp_path: Path) -> None:
+    first = Net("sgd")
+    trainer = _fit(first, [ScaleInvariance("linear", reference_batch_size=8, warmup_samples=64)], 8, max_steps=4)
+    path = tmp_path / "warm.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["callbacks"]["ScaleInvariance"] == {"samples_seen": 32.0}
+    resumed = Net("sgd")
+    callback = ScaleInvariance("linear", reference_batch_size=8, warmup_samples=64)
+    quiet_trainer("auto", 1, max_steps=6, callbacks=[callback]).fit(
+        resumed, DataLoader(_data(), batch_size=16), ckpt_path=path
+    )
+    # kappa 2 now (lr 0.2): samples [32, 48) and [48, 64) of the same 64-sample ramp, not steps 4 and 5 x 16
+    assert [seen["lr"] for seen in resumed.seen] == pytest.approx([0.2 * 40 / 64, 0.2 * 56 / 64])
+    assert callback.samples_seen == 64
 
 
 @pytest.mark.skipif(EMAWeightAveraging is None, reason="needs Lightning's EMAWeightAveraging (Lightning >= 2.6)")
@@ -330,9 +371,10 @@ def _ddp_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     from tests.helpers import quiet_trainer
 
     model = Plain()
-    callback = ScaleInvariance("adam_sde", reference_batch_size=8)
+    callback = ScaleInvariance("adam_sde", reference_batch_size=8, warmup_samples=64)
     quiet_trainer("ddp", world_size, max_steps=3, callbacks=[callback]).fit(model, DataLoader(_data(), batch_size=8))
     assert callback.kappa == 2.0  # 2 processes x 8
+    assert callback.samples_seen == 48  # both ranks' samples
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -358,12 +400,14 @@ def test_two_processes_train_as_one_process_on_their_joint_batch() -> None:
     from tests.distributed import run_distributed
 
     results = run_distributed(_ddp_rank, 2)
-    # One process, batch 16 (kappa 2 too): the samples of both ranks' batches, in DDP's order.
+    # One process, batch 16 (kappa 2 too): the samples of both ranks' batches, in DDP's order; the warmup counts the
+    # samples of both ranks: step k takes the 64-sample ramp at the middle of samples [16k, 16k + 16).
     model = Plain()
     optimizer, orders = _two_rank_replay(model)
     x, y = _data()[:]
     for step in range(3):
         rows = [order[step * 8 : (step + 1) * 8] for order in orders]
+        optimizer.param_groups[0]["lr"] = 0.01 * math.sqrt(2) * (16 * step + 8) / 64
         optimizer.zero_grad()
         # DDP averages the two ranks' mean losses: the mean over the 16 samples.
         (sum(F.mse_loss(model.net(x[r]), y[r]) for r in rows) / 2).backward()
