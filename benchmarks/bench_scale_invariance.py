@@ -17,14 +17,14 @@ gradient noise scale; ``--policies`` picks some):
 Rank 0 measures the loss on the whole validation split at 8 checkpoints, every 512 samples seen (over all processes),
 for ``--seeds`` seeds (the seed sets the initial weights and the data order). A curve is *inside the band* when, at
 every checkpoint, its mean over the seeds lies within 2 standard deviations (over the seeds) of the 1-process curve's
-mean. The anchor is the 1-process run of the same script. Ends with ``adam_sde_ema_inside=``, ``linear_ema_inside=`` and
-``sqrt_inside=``
-(the world sizes whose curve lies inside the band), ``worst_z_adam_sde_ema=`` (the largest distance from the
-1-process mean, in its standard deviations) and ``max_noise_scale=``: the gradient noise scale ``B_simple`` of the
-1-process runs, measured at each checkpoint (:func:`gradient_noise_scale`). The SDE rule assumes batches well below it
-(noise-dominated steps); where the effective batch (64, 128) is not, the larger-batch runs lag in samples.
-``--plot`` saves loss against samples, one line per world size, one panel
-per policy (needs matplotlib); ``--json`` writes the curves.
+mean. The anchor is the 1-process run of the same script. Ends with ``<policy>_inside=`` (the world sizes whose curve
+lies inside the band), ``worst_z_<policy>=`` (the largest distance from the 1-process mean, in its standard
+deviations) and ``max_noise_scale=``: the gradient noise scale ``B_simple`` of the 1-process runs, measured at each
+checkpoint (:func:`gradient_noise_scale`, over the whole training set). On 2 and 4 processes the callback measures it
+too (``measure_noise_scale=True``, from each rank's and the all-reduced gradient) and the bench prints its estimate at
+the end of the runs. The SDE rule assumes batches well below it (noise-dominated steps); where the effective batch
+(64, 128) is not, the larger-batch runs lag in samples. ``--plot`` saves loss against samples, one line per world
+size, one panel per policy (needs matplotlib); ``--json`` writes the curves.
 
 Usage: ``python benchmarks/bench_scale_invariance.py [--seeds 5] [--world-sizes 1 2 4] [--per-device-batch 32]
 [--plot curves.png]``
@@ -167,6 +167,12 @@ def _rank(
             pl.seed_everything(seed, verbose=False)
             model = Digits(lr)
             curve = ValidationCurve(val, steps_per_checkpoint, train if world_size == 1 else None, batch)
+            scaling = ScaleInvariance(
+                POLICIES[name],
+                reference_batch_size=batch,
+                warmup_samples=WARMUP_SAMPLES,
+                measure_noise_scale=world_size > 1,
+            )
             trainer = pl.Trainer(
                 accelerator="cpu",
                 devices=world_size,
@@ -177,16 +183,16 @@ def _rank(
                 enable_progress_bar=False,
                 enable_model_summary=False,
                 limit_val_batches=0,
-                callbacks=[
-                    ScaleInvariance(POLICIES[name], reference_batch_size=batch, warmup_samples=WARMUP_SAMPLES),
-                    curve,
-                ],
+                callbacks=[scaling, curve],
             )
             loader = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True)
             trainer.fit(model, loader)
             curves[name].append(curve.losses)
             if curve.noise_scales:
                 noise_scales.append(curve.noise_scales)
+            elif world_size > 1:  # the callback's estimate under DDP, at the end of the run
+                value = scaling.noise_scales[0].value
+                noise_scales.append([float("nan") if value is None else value])
     if rank == 0:
         queue.put((curves, noise_scales))
     dist.destroy_process_group()
@@ -195,8 +201,9 @@ def _rank(
 def run(
     world_size: int, seeds: int, lr: float, every: int, batch: int = PER_DEVICE_BATCH, names: list[str] | None = None
 ) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
-    """Each policy's curves (one per seed, ``CHECKPOINTS`` losses each) on ``world_size`` spawned processes, and on
-    one process the gradient noise scale at each checkpoint (one list per run)."""
+    """Each policy's curves (one per seed, ``CHECKPOINTS`` losses each) on ``world_size`` spawned processes, and the
+    gradient noise scale of each run: on one process at each checkpoint, on more ScaleInvariance's estimate at the
+    end."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -261,6 +268,10 @@ def main() -> None:
     )
     scales = [statistics.fmean(run[i] for run in noise) for i in range(CHECKPOINTS)]
     print(f"{'B_simple':>13} w=1  " + " ".join(f"{value:6.1f}" for value in scales) + "  (gradient noise scale)")
+    for world_size in args.world_sizes[1:]:
+        ends = [value for (value,) in runs[world_size][1] if value == value]
+        measured = f"{statistics.fmean(ends):.1f}" if ends else "none"
+        print(f"{'B_simple':>13} w={world_size}  {measured} at the end (ScaleInvariance(measure_noise_scale=True))")
     inside: dict[str, list[int]] = {}
     worst: dict[str, float] = {}
     for name in args.policies:

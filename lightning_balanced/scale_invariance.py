@@ -20,6 +20,10 @@ Schedules and warmup are counted in samples (:class:`ScaleInvariance`'s ``warmup
 ``schedules_in_samples``), so the same config means the same thing on 1 or 8 processes: the warmup ramp is a function
 of samples seen, run on every scale (``kappa = 1`` included), each step taking its mean over the samples it consumes.
 
+Which rule fits depends on the job: the square-root rules assume batches well below the gradient noise scale
+(Malladi et al., section 5), the linear rule batches near or above it. ``measure_noise_scale=True`` measures it under
+DDP (:mod:`lightning_balanced.noise_scale`) and says when the effective batch is above it.
+
 The rules are pure functions of ``kappa`` in :mod:`lightning_balanced.lr_scaling` (:class:`ScalingPolicy`,
 :func:`scaled_hyperparameters`, :func:`scaled_ema_momentum`), shared with ``ddp_lr_*``; the callback applies them once
 per fit, from the reference values, so nothing ever compounds.
@@ -27,6 +31,7 @@ per fit, from the reference values, so nothing ever compounds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +39,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
@@ -51,6 +58,7 @@ from lightning_balanced.lr_scaling import (
     warmup_in_samples,
 )
 from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
+from lightning_balanced.noise_scale import GradientNoiseScale
 from lightning_balanced.progress_log import rank_zero_report
 
 __all__ = [
@@ -101,6 +109,13 @@ class ScaleInvariance(Callback):
             of processes continues the ramp where it was.
         schedules_in_samples (bool): step-interval LR schedulers advance by ``kappa`` steps per optimizer step (their
             steps count reference batches), so a schedule means the same number of samples on any scale.
+        measure_noise_scale (bool): under DDP with 2 or more processes, measure the gradient noise scale
+            ``B_simple`` at every optimizer step from each rank's gradient and the all-reduced one
+            (:class:`~lightning_balanced.noise_scale.GradientNoiseScale`; McCandlish et al. 2018, Appendix A.1): one
+            squared norm per parameter per backward, no extra collective. It is logged as ``noise_scale`` (rank 0's
+            estimate, per step) and reported at the end of fit; with the ``"sqrt"`` or ``"adam_sde"`` rule, an
+            effective batch at or above it draws a warning (those rules assume batches well below it). Elsewhere
+            (one process, ``balanced_dp``, ``gpipe``, ``pipeline``, FSDP) the report says it was not measured.
 
     Raises:
         TypeError, ValueError: a bad argument, naming it; at fit start, a train dataloader whose batch size cannot be
@@ -116,11 +131,16 @@ class ScaleInvariance(Callback):
         reference_batch_size: int,
         warmup_samples: int = 0,
         schedules_in_samples: bool = False,
+        measure_noise_scale: bool = False,
     ) -> None:
         self.policy = ScalingPolicy.parse(policy)
         self.reference_batch_size = check_int("reference_batch_size", reference_batch_size, minimum=1)
         self.warmup_samples = check_int("warmup_samples", warmup_samples, minimum=0)
         self.schedules_in_samples = check_bool("schedules_in_samples", schedules_in_samples)
+        self.measure_noise_scale = check_bool("measure_noise_scale", measure_noise_scale)
+        #: One estimate per optimizer (by its index in ``trainer.optimizers``), with ``measure_noise_scale`` under DDP.
+        self.noise_scales: dict[int, GradientNoiseScale] = {}
+        self._local_sq: dict[torch.Tensor, torch.Tensor] = {}
         self.kappa = 1.0
         self.effective_batch_size = reference_batch_size
         #: Samples seen by all data-parallel ranks in the completed training batches of the run (saved in checkpoints).
@@ -185,7 +205,71 @@ class ScaleInvariance(Callback):
                     config.scheduler = SampleStepping(config.scheduler, kappa)  # type: ignore[assignment]
         if self.policy.ema:
             lines += self._scale_emas(trainer, pl_module, kappa)
+        if self.measure_noise_scale:
+            lines.append(self._start_noise_scale(trainer, pl_module))
         rank_zero_report("\n".join(lines))
+
+    # ---- the gradient noise scale ----------------------------------------------------------------------------------
+    def _start_noise_scale(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        self.noise_scales = {}
+        if not isinstance(trainer.strategy, DDPStrategy) or trainer.world_size < 2:
+            return "  gradient noise scale: not measured (it needs DDP with 2 or more processes)"
+
+        def record(parameter: torch.Tensor) -> None:
+            # After each backward's accumulation, before DDP writes the all-reduced gradient back: this rank's.
+            assert parameter.grad is not None
+            self._local_sq[parameter] = torch.linalg.vector_norm(parameter.grad, dtype=torch.float64).square()
+
+        for parameter in pl_module.parameters():
+            if parameter.requires_grad:
+                self._hooks.append(parameter.register_post_accumulate_grad_hook(record))
+        return "  gradient noise scale: measured at every optimizer step (McCandlish et al. 2018, Appendix A.1)"
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if not self._local_sq:
+            return
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        local = [self._local_sq.pop(p) for p in parameters if p in self._local_sq]
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not local or not grads:
+            return
+        small_sq = float(torch.stack([value.to(grads[0].device) for value in local]).sum())
+        big_sq = float(sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16 AMP: the local norms saw the scaled loss
+        if scaler is not None:
+            small_sq /= float(scaler.get_scale()) ** 2
+        if not (math.isfinite(small_sq) and math.isfinite(big_sq)):
+            return  # a step GradScaler skips
+        index = next(i for i, opt in enumerate(trainer.optimizers) if opt is optimizer)
+        estimate = self.noise_scales.setdefault(index, GradientNoiseScale())
+        small_batch = self.effective_batch_size / data_parallel_size(trainer.strategy)
+        estimate.update(small_sq, small_batch, big_sq, self.effective_batch_size)
+        if estimate.value is not None:
+            name = "noise_scale" if index == 0 else f"noise_scale_optimizer_{index}"
+            pl_module.log(name, estimate.value, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def _report_noise_scale(self) -> None:
+        for index, estimate in sorted(self.noise_scales.items()):
+            value = estimate.value
+            where = f"optimizer {index}: " if len(self.noise_scales) > 1 else ""
+            if value is None:
+                rank_zero_report(f"gradient noise scale: {where}no positive estimate of |G|^2 yet")
+                continue
+            ratio = self.effective_batch_size / value
+            rank_zero_report(
+                f"gradient noise scale: {where}B_simple {value:.4g} after {estimate.updates} steps; the effective"
+                f" batch {self.effective_batch_size} is {ratio:.3g} x it (McCandlish et al. 2018)"
+            )
+            if ratio >= 1.0 and self.policy.lr_rule in ("sqrt", "adam_sde"):
+                rank_zero_warn(
+                    f"ScaleInvariance: the effective batch size {self.effective_batch_size} is {ratio:.3g} x the"
+                    f" measured gradient noise scale B_simple {value:.4g}; the {self.policy.lr_rule!r} rule assumes"
+                    " batches well below it (Malladi et al. 2022, section 5), so this run learns less per sample"
+                    " than the reference run; the 'linear' rule fits batches above it (McCandlish et al. 2018)"
+                )
 
     def _scale_group(self, group: dict[str, Any], where: str, kappa: float, source: str) -> list[str]:
         keys = [key for key in ("betas", "alpha", "eps") if key in group]
@@ -255,6 +339,8 @@ class ScaleInvariance(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report_noise_scale()
+        self._local_sq = {}
         for module, momentum in self._momentum.items():
             module.momentum = momentum
         for callback, decay in self._ema:
