@@ -32,13 +32,15 @@ class GradientNoiseScale:
     and ``B_simple`` is the ratio of the averages.
 
     Args:
-        decay (float): the moving averages' decay per update, in ``[0, 1)``.
+        decay (float): the moving averages' decay per update, in ``[0, 1)``. The default averages about 100 steps:
+            one step's estimate of ``|G|^2`` is far noisier than its value when the batches are well below
+            ``B_simple``.
 
     Raises:
         ValueError: ``decay`` outside ``[0, 1)``; in :meth:`update`, batch sizes that are not ``0 < small < big``.
     """
 
-    def __init__(self, decay: float = 0.95) -> None:
+    def __init__(self, decay: float = 0.99) -> None:
         self.decay = check_real("decay", decay, minimum=0.0)
         if not self.decay < 1.0:
             raise ValueError(f"`decay` must be < 1, got {decay!r}")
@@ -51,7 +53,7 @@ class GradientNoiseScale:
 
         Args:
             small_sq (float): ``|G_small|^2``, the squared norm of the gradient of a batch of ``small_batch`` samples
-                (one rank's, under data parallelism; the mean over ranks gives a less noisy one).
+                (one rank's under data parallelism, or the mean of the ranks' squared norms: less noisy).
             small_batch (float): ``B_small``.
             big_sq (float): ``|G_big|^2``, the squared norm of the gradient of ``big_batch`` samples (all-reduced).
             big_batch (float): ``B_big``, the effective batch size.

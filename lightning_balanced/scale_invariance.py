@@ -112,10 +112,11 @@ class ScaleInvariance(Callback):
         measure_noise_scale (bool): under DDP with 2 or more processes, measure the gradient noise scale
             ``B_simple`` at every optimizer step from each rank's gradient and the all-reduced one
             (:class:`~lightning_balanced.noise_scale.GradientNoiseScale`; McCandlish et al. 2018, Appendix A.1): one
-            squared norm per parameter per backward, no extra collective. It is logged as ``noise_scale`` (rank 0's
-            estimate, per step) and reported at the end of fit; with the ``"sqrt"`` or ``"adam_sde"`` rule, an
-            effective batch at or above it draws a warning (those rules assume batches well below it). Elsewhere
-            (one process, ``balanced_dp``, ``gpipe``, ``pipeline``, FSDP) the report says it was not measured.
+            squared norm per parameter per backward, and one scalar ``all_reduce`` per step (the mean of the ranks'
+            norms). It is logged as ``noise_scale`` per step and reported at the end of fit; with the ``"sqrt"`` or
+            ``"adam_sde"`` rule, an effective batch at or above it draws a warning (those rules assume batches well
+            below it). Elsewhere (one process, ``balanced_dp``, ``gpipe``, ``pipeline``, FSDP) the report says it
+            was not measured.
 
     Raises:
         TypeError, ValueError: a bad argument, naming it; at fit start, a train dataloader whose batch size cannot be
@@ -211,8 +212,12 @@ class ScaleInvariance(Callback):
 
     # ---- the gradient noise scale ----------------------------------------------------------------------------------
     def _start_noise_scale(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        from lightning_balanced.strategies.pipeline import PipelineStrategy
+
         self.noise_scales = {}
-        if not isinstance(trainer.strategy, DDPStrategy) or trainer.world_size < 2:
+        strategy = trainer.strategy
+        whole_model = isinstance(strategy, DDPStrategy) and not isinstance(strategy, PipelineStrategy)
+        if not whole_model or trainer.world_size < 2:  # each rank must hold the whole model's gradient
             return "  gradient noise scale: not measured (it needs DDP with 2 or more processes)"
 
         def record(parameter: torch.Tensor) -> None:
@@ -236,11 +241,14 @@ class ScaleInvariance(Callback):
         grads = [p.grad for p in parameters if p.grad is not None]
         if not local or not grads:
             return
-        small_sq = float(torch.stack([value.to(grads[0].device) for value in local]).sum())
-        big_sq = float(sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads))
+        small = torch.stack([value.to(grads[0].device) for value in local]).sum()
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16 AMP: the local norms saw the scaled loss
         if scaler is not None:
-            small_sq /= float(scaler.get_scale()) ** 2
+            small = small / float(scaler.get_scale()) ** 2
+        # The mean over the ranks of their small batches' squared norms: world_size times less noisy than one rank's,
+        # and the same estimate on every rank (one scalar all_reduce per step).
+        small_sq = float(trainer.strategy.reduce(small, reduce_op="mean"))
+        big_sq = float(sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads))
         if not (math.isfinite(small_sq) and math.isfinite(big_sq)):
             return  # a step GradScaler skips
         index = next(i for i, opt in enumerate(trainer.optimizers) if opt is optimizer)
@@ -267,8 +275,8 @@ class ScaleInvariance(Callback):
                 rank_zero_warn(
                     f"ScaleInvariance: the effective batch size {self.effective_batch_size} is {ratio:.3g} x the"
                     f" measured gradient noise scale B_simple {value:.4g}; the {self.policy.lr_rule!r} rule assumes"
-                    " batches well below it (Malladi et al. 2022, section 5), so this run learns less per sample"
-                    " than the reference run; the 'linear' rule fits batches above it (McCandlish et al. 2018)"
+                    " batches well below it (Malladi et al. 2022, section 5), so expect this run to learn less per"
+                    " sample than the reference run; the 'linear' rule fits batches above it (McCandlish et al. 2018)"
                 )
 
     def _scale_group(self, group: dict[str, Any], where: str, kappa: float, source: str) -> list[str]:

@@ -30,7 +30,12 @@ LAYERS: list[list[str]] = [
     ["lightning_balanced.callbacks"],
     ["lightning_balanced.pipeline"],
     ["lightning_balanced.data_parallel"],
-    ["lightning_balanced.nn", "lightning_balanced.evaluation", "lightning_balanced.lr_scaling"],
+    [
+        "lightning_balanced.nn",
+        "lightning_balanced.evaluation",
+        "lightning_balanced.lr_scaling",
+        "lightning_balanced.noise_scale",
+    ],
     [
         "lightning_balanced.ops",
         "lightning_balanced.arguments",
