@@ -262,6 +262,12 @@ EXPECTED_OUTPUT = {
         "final: val_acc=",
     ],
     "digits_ddp_lr_sqrt.yaml": ["lr scaling (sqrt): factor 1.41421 from world_size 2", "final: val_acc="],
+    "digits_scale_invariance.yaml": [
+        "scale invariance (adam_sde + ema): kappa 2 = effective batch 64 / reference 32",
+        "optimizer 0 group 0 betas: (0.9, 0.999) -> (0.8, 0.998)",
+        "gradient noise scale: ",
+        "final: val_acc=",
+    ],
     "pipeline_digits.yaml": [
         "pipeline: schedule 1F1B, 8 micro-batches, 4 stages over 4 ranks x 1 data-parallel replica",
         "final: val_acc=",
