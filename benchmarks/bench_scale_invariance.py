@@ -24,7 +24,7 @@ checkpoint (:func:`gradient_noise_scale`, over the whole training set). On 2 and
 too (``measure_noise_scale=True``, from each rank's and the all-reduced gradient) and the bench prints its estimate at
 the end of the runs. The SDE rule assumes batches well below it (noise-dominated steps); where the effective batch
 (64, 128) is not, the larger-batch runs lag in samples. ``--plot`` saves loss against samples, one line per world
-size, one panel per policy (needs matplotlib); ``--json`` writes the curves.
+size, one panel per policy (needs matplotlib); ``--json`` writes the curves and the noise scales.
 
 Usage: ``python benchmarks/bench_scale_invariance.py [--seeds 5] [--world-sizes 1 2 4] [--per-device-batch 32]
 [--plot curves.png]``
@@ -299,9 +299,9 @@ def main() -> None:
     )
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(
-                {"samples": samples, "curves": {str(w): c for w, c in results.items()}, "noise_scale": noise}, file
-            )
+            ddp = {str(w): [value for (value,) in runs[w][1]] for w in args.world_sizes[1:]}
+            curves = {str(w): c for w, c in results.items()}
+            json.dump({"samples": samples, "curves": curves, "noise_scale": noise, "noise_scale_ddp": ddp}, file)
     if args.plot:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
