@@ -334,7 +334,8 @@ class ScaleInvariance(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored_samples = float(state_dict["samples_seen"])
+        samples = state_dict.get("samples_seen")  # absent from a state saved before the count existed
+        self._restored_samples = None if samples is None else float(samples)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
