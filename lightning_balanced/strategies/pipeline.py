@@ -432,18 +432,18 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
             self._timer.start_step()
         with self.precision_plugin.train_step_context():
             schedule.step(*step_args, **step_kwargs)
-        # One all_reduce over the pipeline carries each rank's compute time and the loss (float64 on every rank: only
-        # the last stage's rank knows the loss's own dtype); the others' slots are zeros, so the sums are exact.
+        # One all_reduce over the pipeline carries each rank's compute time, the loss (float64 on every rank: only the
+        # last stage's rank knows the loss's own dtype) and each rank's step time: [busy | loss | step]. The others'
+        # slots are zeros, so the sums are exact, and every rank derives the same bubbles from the same numbers.
         p = self.pipeline_size
-        report = torch.zeros(p + 1, dtype=torch.float64, device=self.root_device)
+        report = torch.zeros(2 * p + 1, dtype=torch.float64, device=self.root_device)
         if self._timer is not None:
             report[self.pipeline_rank] = self._timer.busy_seconds()
+            report[p + 1 + self.pipeline_rank] = self._timer.step_seconds()
         for micro_batch_loss in self._micro_batch_losses:
             report[p] += micro_batch_loss.to(report)
         assert self._pp_group is not None
         dist.all_reduce(report, group=self._pp_group)
-        # The step ends when the last rank of the pipeline is done: a rank that finishes early waits in the bubble.
-        step_s = 0.0 if self._timer is None else self._timer.step_seconds()
         if self.data_parallel_size > 1:
             for param in own:
                 if param.grad is not None:
@@ -459,6 +459,8 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         loss = report[p]
         module.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
         if self._timer is not None:
+            # The step ends when the last rank of the pipeline is done: a rank that finishes early waits in the bubble.
+            step_s = max(report[p + 1 :].tolist())
             self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in report[:p].tolist()], batch_size)
         return loss
 

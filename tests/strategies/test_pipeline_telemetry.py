@@ -113,8 +113,8 @@ def test_the_measured_bubble_is_the_schedules_formula_when_stages_are_equal() ->
     for schedule in schedules:
         steps = results[0][schedule]
         assert [step["pipeline/bubble_theory"] for step in steps] == [pytest.approx(theory)] * 4
-        for step, other in zip(steps[1:], results[1][schedule][1:], strict=True):  # every rank logs every rank's bubble
-            assert step == pytest.approx(other, abs=0.02)  # each by its own clock
+        # Every rank logs every rank's bubble, the same numbers: the ranks' times travel in one all_reduce.
+        assert steps == results[1][schedule]
         for rank in range(2):
             # The first step builds the stages' buffers; the median of the rest, within 3 points of the formula.
             measured = statistics.median(step[f"pipeline/bubble_rank{rank}"] for step in steps[1:])
