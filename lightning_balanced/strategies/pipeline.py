@@ -158,8 +158,10 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         log_bubble: log each step's measured bubble: ``pipeline/bubble`` (progress bar; the mean over the pipeline's
             ranks of the fraction of the step each rank's stages sat idle, in ``[0, 1]``), ``pipeline/bubble_rank{r}``
             and ``pipeline/bubble_theory``, the schedule's ``(p - 1) / (v * m + p - 1)`` (not for zero-bubble
-            schedules). On CUDA the stages are timed with events, and each step waits twice for the device: for its
-            last kernel before the pipeline's all_reduce, and for that all_reduce (the end of the step).
+            schedules). The step is the longest of the pipeline's ranks' step times, which travel in the step's
+            all_reduce, so every rank logs the same values. On CUDA the stages are timed with events, and each step
+            waits twice for the device: for its last kernel before the pipeline's all_reduce (the end of the rank's
+            step), and for that all_reduce (reading the times).
         **kwargs: what :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``process_group_backend``,
             ``timeout``, ``start_method``, ...).
 
