@@ -38,6 +38,7 @@ import os
 import socket
 import statistics
 from datetime import timedelta
+from queue import Empty
 from typing import Any
 
 import lightning.pytorch as pl
@@ -208,13 +209,29 @@ def run(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").Queue()
-    mp.start_processes(
+    context = mp.start_processes(
         _rank,
         args=(world_size, port, seeds, lr, every, batch, names or list(POLICIES), queue),
         nprocs=world_size,
         start_method="spawn",
+        join=False,
     )
-    return queue.get()  # type: ignore[no-any-return]
+    try:
+        while True:  # rank 0 puts the result before its teardown; a rank that failed ends the wait
+            try:
+                return queue.get(timeout=1.0)  # type: ignore[no-any-return]
+            except Empty:
+                failed = [p.exitcode for p in context.processes if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"a rank of the {world_size}-process run failed (exit codes {failed})") from None
+    finally:
+        # torch 2.4's gloo can hang in destroy_process_group when the ranks tear down together (as
+        # tests/distributed.py notes): a rank still there a few seconds after the result is killed.
+        for process in context.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
 
 
 def z_scores(curves: list[list[float]], anchor: list[list[float]]) -> list[float]:
@@ -300,8 +317,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as file:
             ddp = {str(w): [value for (value,) in runs[w][1]] for w in args.world_sizes[1:]}
-            curves = {str(w): c for w, c in results.items()}
-            json.dump({"samples": samples, "curves": curves, "noise_scale": noise, "noise_scale_ddp": ddp}, file)
+            by_world = {str(w): c for w, c in results.items()}
+            json.dump({"samples": samples, "curves": by_world, "noise_scale": noise, "noise_scale_ddp": ddp}, file)
     if args.plot:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
