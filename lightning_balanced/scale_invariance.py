@@ -247,8 +247,9 @@ class ScaleInvariance(Callback):
             small = small / float(scaler.get_scale()) ** 2
         # The mean over the ranks of their small batches' squared norms: world_size times less noisy than one rank's,
         # and the same estimate on every rank (one scalar all_reduce per step).
-        small_sq = float(trainer.strategy.reduce(small, reduce_op="mean"))
-        big_sq = float(sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads))
+        small = trainer.strategy.reduce(small, reduce_op="mean")
+        big = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).square().sum()
+        small_sq, big_sq = torch.stack([small, big.to(small)]).tolist()  # one read from the device per step
         if not (math.isfinite(small_sq) and math.isfinite(big_sq)):
             return  # a step GradScaler skips
         index = next(i for i, opt in enumerate(trainer.optimizers) if opt is optimizer)

@@ -462,8 +462,9 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         module.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
         if self._timer is not None:
             # The step ends when the last rank of the pipeline is done: a rank that finishes early waits in the bubble.
-            step_s = max(report[p + 1 :].tolist())
-            self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in report[:p].tolist()], batch_size)
+            times = report.tolist()  # one read from the device
+            step_s = max(times[p + 1 :])
+            self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in times[:p]], batch_size)
         return loss
 
     def _log_bubble(self, module: pl.LightningModule, bubbles: list[float], batch_size: int) -> None:
