@@ -54,12 +54,18 @@ class _Stage(nn.Module):
     (``stage_backward_input``, the zero-bubble schedules) detaches the stage's outputs in place, which then detached the
     receive buffer of the next micro-batch ("element 0 of tensors does not require grad and does not have a grad_fn").
     A copy, not a view: a view cannot be detached in place. Only such a stage pays for it.
+
+    The last stage also lists the parameters outside the ``nn.Sequential`` (``loss_parameters``: a loss's or a head's,
+    used in ``compute_loss``): torch's zero-bubble schedules compute weight gradients for the stage module's own
+    parameters only (``stage_backward_weight`` over ``submod.parameters()``), so a parameter the stage does not list
+    would get none there.
     """
 
-    def __init__(self, layers: nn.Module, checkpointed: bool) -> None:
+    def __init__(self, layers: nn.Module, checkpointed: bool, loss_parameters: Sequence[nn.Parameter] = ()) -> None:
         super().__init__()
         self.layers = layers
         self.checkpointed = checkpointed
+        self.loss_parameters = nn.ParameterList(loss_parameters)
 
     def forward(self, x: Tensor) -> Any:
         output = activation_checkpoint(self.layers, x, use_reentrant=False) if self.checkpointed else self.layers(x)
@@ -122,9 +128,12 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
       rank, so their logs and outputs are the same on all ranks of a pipeline.
 
     Gradients equal the unpipelined model's: each micro-batch's loss is weighted by ``1 / chunks`` (torch's
-    ``scale_grads`` is off), so the gradient is that of the mean over the batch. Gradient accumulation and
-    ``zero_grad`` work as in Lightning's loop (the schedule's gradients are handed over in ``backward``); gradient
-    clipping by norm uses the global norm over all stages. Checkpoints hold the whole model in the plain
+    ``scale_grads`` is off), so the gradient is that of the mean over the batch, and by ``1 / accumulate_grad_batches``
+    as Lightning's loop weights the loss, so gradient accumulation equals one process's (the schedule's gradients are
+    handed over in ``backward``). Trainable parameters outside the ``nn.Sequential`` (a head or a loss weight used in
+    ``compute_loss``) train as well: every rank keeps a copy, the last stage computes their gradients, and the step
+    shares them over the pipeline and averages them over the data-parallel group. Gradient clipping by norm uses the
+    global norm over all stages and those parameters. Checkpoints hold the whole model in the plain
     ``nn.Sequential`` layout (each stage's weights are sent to every rank before saving) and the optimizer states of
     every stage, so they load under any strategy and any ``balance``; after ``fit`` every rank holds the whole trained
     model.
@@ -218,11 +227,13 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         self._stop_notices: StopNotices | None = None
         self._dp_group: dist.ProcessGroup | None = None
         self._pipelined: _PipelinedSequential | None = None
-        self._stages: dict[int, nn.Module] = {}
+        self._stages: dict[int, _Stage] = {}
         self._owners: list[int] = []
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._step_grads: list[tuple[Tensor, Tensor]] = []
         self._micro_batch_losses: list[Tensor] = []
+        self._loss_weight = 1.0 / self.chunks
+        self._loss_parameters: list[nn.Parameter] = []
 
     # ---- topology --------------------------------------------------------------------------------------------------
     @property
@@ -361,7 +372,13 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         stages = cut_sequential(sequential, balance)
         self._owners = stage_owners(p, k, self.schedule.placement)
         mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
-        self._stages = {s: _Stage(stages[s], self.activation_checkpointing) for s in mine}
+        in_sequential = {id(param) for param in sequential.parameters()}
+        self._loss_parameters = [param for param in module.parameters() if id(param) not in in_sequential]
+        last = num_stages - 1
+        self._stages = {
+            s: _Stage(stages[s], self.activation_checkpointing, self._loss_parameters if s == last else ())
+            for s in mine
+        }
         self._schedules = {}
         self._timer = BusyTimer(self.root_device) if self.log_bubble else None
         self._pipelined = _PipelinedSequential(sequential, self)
@@ -400,11 +417,20 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         return model  # the schedule does the stages' communication; gradients are averaged over `dp` explicitly
 
     def _own_parameters(self) -> list[nn.Parameter]:
+        """The parameters of this rank's stages (each once)."""
         seen: dict[int, nn.Parameter] = {}
         for stage in self._stages.values():
-            for param in stage.parameters():
+            for param in stage.layers.parameters():
                 seen.setdefault(id(param), param)
         return list(seen.values())
+
+    def _shared_parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters outside the ``nn.Sequential`` (a loss's or a head's): every rank holds a copy.
+
+        Only the last stage's rank uses them (in ``compute_loss``), so their gradients are summed over the pipeline
+        (the other ranks add nothing) and averaged over the data-parallel group: every rank then steps its copy alike.
+        """
+        return [param for param in self._loss_parameters if param.requires_grad]
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -423,11 +449,15 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
 
     def _train_on(self, x: Tensor, y: Tensor, batch_size: int) -> Tensor:
         schedule = self._schedule_for(x)
-        own = self._own_parameters()
-        previous = [param.grad for param in own]
-        for param in own:
+        own, shared = self._own_parameters(), self._shared_parameters()
+        trained = [*own, *shared]
+        previous = [param.grad for param in trained]
+        for param in trained:
             param.grad = None
         self._micro_batch_losses = []
+        # Lightning divides the closure's loss by `accumulate_grad_batches`; the schedule's backward must do the same.
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        self._loss_weight = 1.0 / (self.chunks * trainer.accumulate_grad_batches)
         step_args: tuple[Any, ...] = (x,) if 0 in self._stages else ()
         step_kwargs: dict[str, Any] = {"target": y} if len(self._owners) - 1 in self._stages else {}
         if self._timer is not None:
@@ -435,15 +465,19 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         with self.precision_plugin.train_step_context():
             schedule.step(*step_args, **step_kwargs)
         # One all_reduce over the pipeline carries each rank's compute time, the loss (float64 on every rank: only the
-        # last stage's rank knows the loss's own dtype) and each rank's step time: [busy | loss | step]. The others'
-        # slots are zeros, so the sums are exact, and every rank derives the same bubbles from the same numbers.
+        # last stage's rank knows the loss's own dtype), each rank's step time, and the gradients of the parameters
+        # outside the nn.Sequential with a flag each for "has a gradient": [busy | loss | step | flags | gradients].
+        # The others' slots are zeros, so the sums are exact (a float32 or float16 gradient round-trips through
+        # float64 unchanged), and every rank derives the same bubbles and the same shared gradients.
         p = self.pipeline_size
-        report = torch.zeros(2 * p + 1, dtype=torch.float64, device=self.root_device)
+        shared_grads = _SharedGradients(shared, offset=2 * p + 1)
+        report = torch.zeros(shared_grads.end, dtype=torch.float64, device=self.root_device)
         if self._timer is not None:
             report[self.pipeline_rank] = self._timer.busy_seconds()
             report[p + 1 + self.pipeline_rank] = self._timer.step_seconds()
         for micro_batch_loss in self._micro_batch_losses:
             report[p] += micro_batch_loss.to(report)
+        shared_grads.pack(report)
         assert self._pp_group is not None
         dist.all_reduce(report, group=self._pp_group)
         if self.data_parallel_size > 1:
@@ -453,8 +487,11 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
                     param.grad /= self.data_parallel_size
             dist.all_reduce(report, group=self._dp_group)
             report /= self.data_parallel_size
-        self._step_grads = [(param, param.grad) for param in own if param.grad is not None]
-        for param, grad in zip(own, previous, strict=True):
+        # One read from the device, for the bubbles and the shared gradients' flags.
+        head = report[: shared_grads.values].tolist() if self._timer is not None or shared else []
+        shared_grads.unpack(report, head)
+        self._step_grads = [(param, param.grad) for param in trained if param.grad is not None]
+        for param, grad in zip(trained, previous, strict=True):
             param.grad = grad
         module = self.lightning_module
         assert module is not None
@@ -462,9 +499,8 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         module.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
         if self._timer is not None:
             # The step ends when the last rank of the pipeline is done: a rank that finishes early waits in the bubble.
-            times = report.tolist()  # one read from the device
-            step_s = max(times[p + 1 :])
-            self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in times[:p]], batch_size)
+            step_s = max(head[p + 1 : 2 * p + 1])
+            self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in head[:p]], batch_size)
         return loss
 
     def _log_bubble(self, module: pl.LightningModule, bubbles: list[float], batch_size: int) -> None:
@@ -491,16 +527,21 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         return closure_loss
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
-        """The micro-batch's loss weighted by ``1 / chunks``, scaled by the precision plugin's ``GradScaler`` if any.
+        """The micro-batch's loss weighted by ``1 / (chunks * accumulate_grad_batches)``, scaled by the ``GradScaler``.
 
-        The schedule's backward is the one ``16-mixed`` would have scaled; the unscaled loss is kept for the log.
+        The weight is what Lightning's loop gives the whole batch's loss (the mean over the micro-batches, divided by
+        ``accumulate_grad_batches``). The schedule's backward is the one ``16-mixed`` would have scaled; the loss
+        weighted by ``1 / chunks`` only is kept for the log.
         """
         module = self.lightning_module
         assert module is not None
-        loss: Tensor = getattr(module, LOSS_HOOK)(output, target) / self.chunks
+        # A view of the output: after the input-gradient pass, torch detaches the last stage's output in place, while a
+        # zero-bubble schedule's weight pass still needs what compute_loss saved of it (a head's input).
+        loss: Tensor = getattr(module, LOSS_HOOK)(_alias(output), target) / self.chunks
         self._micro_batch_losses.append(loss.detach())
+        weighted = loss * (self._loss_weight * self.chunks)  # 1 / chunks and Lightning's 1 / accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
-        return loss if scaler is None else scaler.scale(loss)
+        return weighted if scaler is None else scaler.scale(weighted)
 
     def _share_found_inf(self, scaler: Any) -> None:
         """Make ``scaler.unscale_`` report an inf or NaN found on any stage to every rank of the pipeline.
@@ -619,10 +660,12 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` with the norm over every stage's gradients (each rank holds its stages' only)."""
         grads = [p.grad for p in self._own_parameters() if p.grad is not None]
+        shared = [p.grad for p in self._shared_parameters() if p.grad is not None]  # the same on every pipeline rank
         local = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        for grad in grads:
+        for grad in [*grads, *(shared if self.pipeline_rank == 0 else [])]:
             local += grad.detach().double().pow(2).sum().to(local.device)
         dist.all_reduce(local, group=self._pp_group)
+        grads += shared
         total = math.sqrt(local.item())
         coefficient = clip_val / (total + 1e-6)
         if coefficient < 1:
@@ -682,6 +725,51 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
                 for key, value in optimizer.state[param].items():
                     if isinstance(value, Tensor) and key != "step":
                         optimizer.state[param][key] = value.to(param.device)
+
+
+class _SharedGradients:
+    """The gradients of the parameters outside the stages, in a float64 buffer from ``offset`` on.
+
+    One "has a gradient" flag per parameter, then their values. Packing writes into zeros, so the ranks whose slots
+    stay zero leave the sum exact.
+    """
+
+    def __init__(self, params: list[nn.Parameter], offset: int) -> None:
+        self.params = params
+        self.flags = offset
+        self.values = offset + len(params)
+        self.end = self.values + sum(param.numel() for param in params)
+
+    def pack(self, buffer: Tensor) -> None:
+        start = self.values
+        for index, param in enumerate(self.params):
+            if param.grad is not None:
+                buffer[self.flags + index] = 1
+                buffer[start : start + param.numel()] = param.grad.detach().reshape(-1).to(buffer)
+            start += param.numel()
+
+    def unpack(self, buffer: Tensor, head: list[float]) -> None:
+        """Set each parameter's gradient from the reduced ``buffer`` (``None`` where no rank had one).
+
+        ``head`` is ``buffer[:values]`` read to the host: a flag is non-zero where any rank had a gradient (after the
+        data-parallel average it is a fraction).
+        """
+        flags = head[self.flags : self.values]
+        start = self.values
+        for param, flag in zip(self.params, flags, strict=True):
+            size = param.numel()
+            if flag > 0:
+                param.grad = buffer[start : start + size].view(param.shape).to(param.dtype).to(param.device)
+            start += size
+
+
+def _alias(output: Any) -> Any:
+    """A view of each tensor of ``output``: it keeps its autograd history when torch detaches ``output`` in place."""
+    if isinstance(output, Tensor):
+        return output.view_as(output)
+    if isinstance(output, (tuple, list)) and not hasattr(output, "_fields"):
+        return type(output)(_alias(item) for item in output)
+    return output
 
 
 def _input_and_target(batch: Any) -> tuple[Tensor, Tensor]:
