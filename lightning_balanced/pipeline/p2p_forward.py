@@ -11,7 +11,7 @@ Between stages a single tensor travels, as ``torch.distributed.pipelining`` requ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +86,7 @@ def _broadcast(tensor: Tensor | None, source: int, group: dist.ProcessGroup, dev
 
 def pipelined_forward(
     x: Tensor,
-    stages: dict[int, nn.Module],
+    stages: Mapping[int, nn.Module],
     owners: Sequence[int],
     rank: int,
     group: dist.ProcessGroup,
