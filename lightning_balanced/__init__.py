@@ -1,7 +1,8 @@
 """PyTorch Lightning plugins for one multi-GPU box.
 
 Importing the package registers its strategies, so ``Trainer(strategy="balanced_dp")``,
-``Trainer(strategy="ddp_lr_linear")``, ``Trainer(strategy="gpipe")`` and ``Trainer(strategy="pipeline")`` work.
+``Trainer(strategy="balanced_ddp")``, ``Trainer(strategy="ddp_lr_linear")``, ``Trainer(strategy="gpipe")`` and
+``Trainer(strategy="pipeline")`` work.
 """
 
 from lightning_balanced.data_parallel import (
@@ -18,6 +19,7 @@ from lightning_balanced.lr_scaling import unscale_learning_rates
 from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
 from lightning_balanced.strategies import (
     BalancedDataParallelStrategy,
+    BalancedDDPStrategy,
     GPipeStrategy,
     LRScaledDDPStrategy,
     LRScaledPipelineStrategy,
@@ -31,6 +33,7 @@ register_strategies()
 
 __all__ = [
     "AutoSplit",
+    "BalancedDDPStrategy",
     "BalancedDataParallelStrategy",
     "ChunkSizes",
     "DistributedEvalMixin",

@@ -41,6 +41,11 @@ __all__ = ["DistributedEvalMixin", "IndexedDataset"]
 #: order; the gather puts them back in this one (a call outside the replicas goes after its step's chunks).
 REPLICA_POSITION = "_lightning_balanced_replica_position"
 
+#: The attribute through which ``balanced_ddp`` tells the LightningModule the dataset indices of the rank's share of the
+#: current batch (a list of ints): a call without ``indices`` that adds the whole share uses them, since the shares of
+#: a global batch are not DistributedSampler's interleave. They are not returned by the gather (the user gave none).
+BATCH_INDICES = "_lightning_balanced_batch_indices"
+
 
 class _Call(NamedTuple):
     """One ``add_eval_outputs`` call with samples: structure (interned), leaf values, indices, place in the order."""
@@ -50,13 +55,14 @@ class _Call(NamedTuple):
     indices: Tensor | None
     samples: int
     position: tuple[int, int]
+    user_indices: bool  # given by the user (returned by the gather), not by the strategy (BATCH_INDICES)
 
 
 class _Meta(NamedTuple):
     """What a rank tells the others: a problem, its (structure, indices given) or None, samples, tail, objects."""
 
     problem: str | None
-    signature: tuple[Any, bool] | None
+    signature: tuple[Any, bool, bool] | None  # (structure, indices known, indices given by the user)
     samples: int
     tail: int | None  # see sampler_tail
     objects: list[list[Any]]
@@ -84,8 +90,8 @@ def _mismatch(metas: list[_Meta]) -> str | None:
     signed = [(r, m, m.signature) for r, m in enumerate(metas) if m.signature is not None]
     if not signed:
         return None
-    first, reference, (structure, given) = signed[0]
-    for rank, meta, (other, other_given) in signed[1:]:
+    first, reference, (structure, given, _) = signed[0]
+    for rank, meta, (other, other_given, _) in signed[1:]:
         difference = per_sample.difference(structure, other, f"on rank {first}", f"on rank {rank}")
         if difference:
             return difference
@@ -111,7 +117,7 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
     kinds = per_sample.leaves(calls[0].structure) if calls and not problem else []
     meta = _Meta(
         problem,
-        (calls[0].structure, calls[0].indices is not None) if calls and not problem else None,
+        (calls[0].structure, calls[0].indices is not None, calls[0].user_indices) if calls and not problem else None,
         count,
         None if problem else sample_order.sampler_tail(index_cpu, count, rank, world_size, dataset_size),
         [kind.objects([call.values[k] for call in calls]) for k, kind in enumerate(kinds)],
@@ -148,7 +154,7 @@ def _gather(calls: list[_Call], dataset_size: int | None, group: Any, device: to
         for k, kind in enumerate(per_sample.leaves(reference[0]))
     )
     result: dict[str, Any] = per_sample.rebuild(reference[0], values)
-    return {**result, "indices": kept.indices} if reference[1] else result
+    return {**result, "indices": kept.indices} if reference[2] else result
 
 
 class DistributedEvalMixin:
@@ -216,13 +222,22 @@ class DistributedEvalMixin:
         if len(set(counts.values())) > 1:
             raise ValueError(f"Per-sample fields disagree on the number of samples: {counts}")
         count = next(iter(counts.values()))
+        user_indices = indices is not None
+        if indices is None and BATCH_INDICES in self.__dict__:  # balanced_ddp: this rank's share of the batch
+            indices = self.__dict__[BATCH_INDICES]
+            if len(indices) != count:
+                raise ValueError(
+                    f"add_eval_outputs got {count} samples without `indices`, but this rank's share of the batch has"
+                    f" {len(indices)} under strategy='balanced_ddp': pass `indices` (the dataset indices of the samples"
+                    " added) when adding a part of the batch"
+                )
         index = None if indices is None else sample_order.sample_indices(indices, count, device)
         if count:  # list.append is thread-safe: balanced_dp's replicas add from their threads
             values = [kind.keep(value, device) for _, kind, value in leaves]
             if len(_structures) > 1024:  # fields that change every call: an error at the gather, but bounded here
                 _structures.clear()
             structure = _structures.setdefault(structure, structure)  # one hash per call
-            self._eval_buffer.append(_Call(structure, values, index, count, self._eval_position()))
+            self._eval_buffer.append(_Call(structure, values, index, count, self._eval_position(), user_indices))
 
     def gather_eval_outputs(
         self, *, dataset_size: int | None = None, group: Any | None = None, timeout_s: float = 60.0

@@ -5,6 +5,7 @@ The package's list of strategies is its ``lightning.pytorch.strategies`` entry p
 registration does not read: a new strategy needs a line here only to have such a shortcut.
 """
 
+from lightning_balanced.strategies.balanced_ddp import BalancedDDPStrategy
 from lightning_balanced.strategies.balanced_dp import BalancedDataParallelStrategy
 from lightning_balanced.strategies.ddp_lr import LRScaledDDPStrategy
 from lightning_balanced.strategies.gpipe import GPipeStrategy
@@ -12,6 +13,7 @@ from lightning_balanced.strategies.pipeline import PipelineStrategy
 from lightning_balanced.strategies.pipeline_lr import LRScaledPipelineStrategy
 
 __all__ = [
+    "BalancedDDPStrategy",
     "BalancedDataParallelStrategy",
     "GPipeStrategy",
     "LRScaledDDPStrategy",

@@ -1,0 +1,140 @@
+"""Each rank's share of a global batch: the batch sampler and the DataLoader of ``balanced_ddp``.
+
+Every rank walks the same global order (one sampler over the whole dataset, seeded alike on every rank), cuts it into
+the same global batches, asks the same split policy for the same plan, and keeps its own slice: rank ``r`` of a
+global batch planned ``chunk_sizes`` takes the ``chunk_sizes[r]`` samples after the first ``sum(chunk_sizes[:r])``.
+The global batches, hence each optimizer step, do not depend on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
+
+from lightning_balanced.data_parallel.split_policy import SplitPolicy
+
+__all__ = ["RankShare", "ShareBatchSampler", "share_loader"]
+
+_SEQUENCE = itertools.count()  # orders the shares of every sampler: a step takes the oldest one pending
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's part of one global batch.
+
+    Attributes:
+        global_size (int): samples in the global batch, ``B``.
+        chunk_sizes (list[int]): the plan: samples per rank, summing to ``global_size``.
+        indices (list[int]): this rank's sample indices (``chunk_sizes[rank]`` of them; ``[]`` for a zero share).
+        sequence (int): when the share was cut, across all samplers of the process (the oldest is stepped first).
+    """
+
+    global_size: int
+    chunk_sizes: list[int]
+    indices: list[int]
+    sequence: int
+
+
+class ShareBatchSampler(Sampler[list[int]]):
+    """This rank's index lists from the global batches of ``batch_sampler``, split by ``split``.
+
+    A zero share yields the global batch's first index, so that the DataLoader can collate a batch of the right
+    structure; the strategy cuts it to 0 samples (:attr:`RankShare.indices` is ``[]``). Each yielded list's
+    :class:`RankShare` waits in :attr:`pending` until the step that runs it takes it (:meth:`take`); a new iteration
+    drops what an abandoned one left.
+
+    Args:
+        batch_sampler (Iterable[Sequence[int]]): the global batches, the same on every rank (Lightning's
+            ``BatchSampler`` over ``DistributedSampler(num_replicas=1)``, the loader's own sampler otherwise).
+        split (SplitPolicy): plans each global batch over the ranks.
+        rank (int): this process's rank.
+        world_size (int): the number of ranks.
+    """
+
+    def __init__(self, batch_sampler: Iterable[Sequence[int]], split: SplitPolicy, rank: int, world_size: int) -> None:
+        self.batch_sampler = batch_sampler
+        self.split = split
+        self.rank = rank
+        self.world_size = world_size
+        self.pending: deque[RankShare] = deque()
+
+    @property
+    def sampler(self) -> Any:
+        """The global sampler (Lightning calls its ``set_epoch`` here each epoch)."""
+        return getattr(self.batch_sampler, "sampler", None)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.pending.clear()
+        for batch in self.batch_sampler:
+            indices = list(batch)
+            plan = self.split.plan(len(indices), self.world_size)
+            start = sum(plan[: self.rank])
+            mine = indices[start : start + plan[self.rank]]
+            self.pending.append(RankShare(len(indices), plan, mine, next(_SEQUENCE)))
+            yield mine or indices[:1]
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+
+def share_loader(
+    loader: Any, split: SplitPolicy, rank: int, world_size: int, *, strategy: str = "balanced_ddp"
+) -> DataLoader[Any]:
+    """A DataLoader that yields this rank's share of each of ``loader``'s (global) batches.
+
+    The new loader keeps ``loader``'s dataset, workers, collate function and memory pinning; its batch sampler is a
+    :class:`ShareBatchSampler` over ``loader``'s. A ``DataLoader`` subclass comes back as a plain ``DataLoader``.
+
+    Raises:
+        ValueError: ``loader`` is not a ``torch.utils.data.DataLoader``; its dataset is an ``IterableDataset`` (no
+            sample indices to split by); it has no batch sampler (``batch_size=None``); or its sampler gives each rank
+            its own order (a ``RandomSampler`` without a ``generator``, a ``DistributedSampler`` over several
+            replicas: Lightning's ``use_distributed_sampler=False`` kept the user's).
+    """
+    if not isinstance(loader, DataLoader):
+        raise ValueError(
+            f"strategy={strategy!r} splits each batch of a torch DataLoader over the ranks; got a"
+            f" {type(loader).__name__}: return a `torch.utils.data.DataLoader` from the `*_dataloader` hooks"
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            f"strategy={strategy!r} splits each global batch by sample index, which an IterableDataset"
+            f" ({type(loader.dataset).__name__}) does not have: use a map-style Dataset (with `__getitem__` and"
+            " `__len__`), or strategy='ddp' with a dataset that shards itself"
+        )
+    if loader.batch_sampler is None:
+        raise ValueError(
+            f"strategy={strategy!r} splits the DataLoader's batches, but it has none (`batch_size=None`): give it a"
+            " `batch_size`, the global batch size"
+        )
+    sampler = loader.sampler
+    if (isinstance(sampler, RandomSampler) and sampler.generator is None) or (
+        isinstance(sampler, DistributedSampler) and sampler.num_replicas > 1
+    ):
+        raise ValueError(
+            f"strategy={strategy!r} needs the same global sample order on every rank, but the DataLoader's"
+            f" {type(sampler).__name__} gives each rank its own (`use_distributed_sampler=False` keeps it): leave"
+            " `use_distributed_sampler=True` (every rank then shuffles alike, seeded as Lightning seeds DDP), or give"
+            " the sampler a `generator` seeded alike on every rank"
+        )
+    options: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        options["prefetch_factor"] = loader.prefetch_factor
+    if getattr(loader, "pin_memory_device", ""):
+        options["pin_memory_device"] = loader.pin_memory_device
+    batch_sampler = ShareBatchSampler(loader.batch_sampler, split, rank, world_size)
+    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **options)

@@ -1,0 +1,434 @@
+"""DDP over one global batch, split unevenly over the ranks, each step equal to one process's step on that batch."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_balanced.arguments import check_bool
+from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
+from lightning_balanced.data_parallel.rank_shares import RankShare, ShareBatchSampler, share_loader
+from lightning_balanced.data_parallel.replica_context import ReplicaLogRecorder
+from lightning_balanced.data_parallel.scatter import infer_batch_size
+from lightning_balanced.data_parallel.split_policy import SplitPolicy, split_policy
+from lightning_balanced.evaluation.mixin import BATCH_INDICES
+from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
+from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.strategies.process_group import end_process_group
+from lightning_balanced.strategies.registration import RegisteredStrategy
+
+if TYPE_CHECKING:
+    _StrategyBase = DDPStrategy
+else:
+    _StrategyBase = object
+
+# The registered names and the `start_method` each stands for, as in Lightning's DDP names.
+_LAUNCHES = (("balanced_ddp", "popen"), ("balanced_ddp_spawn", "spawn"), ("balanced_ddp_fork", "fork"))
+_STEP_LOADERS = {
+    "training_step": "train_dataloader",
+    "validation_step": "val_dataloaders",
+    "test_step": "test_dataloaders",
+    "predict_step": "predict_dataloaders",
+}
+
+
+def _loaders(loaders: Any) -> list[Any]:
+    if isinstance(loaders, (list, tuple)):
+        return list(loaders)
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    return [] if loaders is None else [loaders]
+
+
+def _cut_to_zero(batch: Any) -> Any:
+    """The batch with every tensor that has a batch dimension cut to 0 samples (a zero share's batch)."""
+    return apply_to_collection(batch, Tensor, lambda t: t[:0] if t.dim() else t)
+
+
+class _StepTimer:
+    """This rank's time for the step method of the training steps (the forward pass and the loss), in seconds.
+
+    The host clock on the CPU; on CUDA two events on the current stream, read at the next step's exchange (by then the
+    step has long been queued, so the read waits at most for the previous optimizer step).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._began: Any = None
+        self._mark: Any = None
+
+    def start(self) -> None:
+        if self._cuda:
+            self._began = torch.cuda.Event(enable_timing=True)
+            self._began.record()
+        else:
+            self._began = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._mark = (self._began, end)
+        else:
+            self._mark = time.perf_counter() - self._began
+
+    def take(self) -> float | None:
+        """The last timed step's seconds (``None`` when none was timed since the last take)."""
+        mark, self._mark = self._mark, None
+        if mark is None or not self._cuda:
+            return None if mark is None else float(mark)
+        began, end = mark
+        end.synchronize()
+        return float(began.elapsed_time(end)) / 1000.0
+
+
+class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
+    """The implementation of :class:`BalancedDDPStrategy`, free of a Lightning base class.
+
+    Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`BalancedDDPStrategy`; combined with the
+    standalone ``pytorch_lightning`` package's, it is the class that package's registry holds.
+    """
+
+    strategy_name = "balanced_ddp"
+    #: The Lightning package of the base class: where ``TorchSyncBatchNorm`` comes from.
+    _lightning_package: ClassVar[str] = "lightning.pytorch"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``balanced_ddp`` and the ``balanced_ddp_spawn``/``balanced_ddp_fork`` variants.
+
+        Args:
+            strategy_registry (_StrategyRegistry): the registry to fill.
+        """
+        for name, start_method in _LAUNCHES:
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DDP over one global batch split unevenly over the ranks, `start_method` '{start_method}'",
+                start_method=start_method,
+            )
+
+    def __init__(
+        self,
+        gpu0_bsz: int | None = None,
+        chunk_sizes: Sequence[int] | Literal["auto"] | None = None,
+        weights: Sequence[float] | None = None,
+        split: SplitPolicy | None = None,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        sync_batchnorm: bool = True,
+        log_shares: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.split = split_policy(gpu0_bsz, chunk_sizes, weights, split=split)
+        self.loss_reduction = loss_reduction
+        self.sync_batchnorm = check_bool("sync_batchnorm", sync_batchnorm)
+        self.log_shares = check_bool("log_shares", log_shares)
+        # Only a policy that learns from the steps (overrides `observe`) is told each rank's step time.
+        self._split_observes = type(self.split).observe is not SplitPolicy.observe
+        self._loss_weight = 1.0
+        self._timer: _StepTimer | None = None
+        self._timed_plan: list[int] | None = None  # the plan of the step whose time the timer holds
+        self._reported_plan: list[int] | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """1: the DataLoader's batch is already the global one, whatever the world size.
+
+        What :func:`~lightning_balanced.lr_scaling.data_parallel_size` reads: ``ScaleInvariance`` and ``ddp_lr``-style
+        scaling see the effective batch ``batch_size x accumulate_grad_batches``, the same on any number of ranks.
+        """
+        return 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """One replica: Lightning's ``DistributedSampler`` then gives every rank the same global order.
+
+        Shuffled for training and seeded as under DDP (``seed_everything``'s seed), reshuffled each epoch
+        (``set_epoch``); the strategy cuts each global batch into the ranks' shares (:meth:`process_dataloader`).
+        """
+        return {"num_replicas": 1, "rank": 0}
+
+    # ---- setup -----------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # As ddp_lr: the accelerator connector sets `_layer_sync` after __init__, and torch's SyncBatchNorm refuses
+        # CPU tensors: ours on CPU, torch's on CUDA, both over uneven per-rank counts.
+        layer_sync = importlib.import_module(f"{self._lightning_package}.plugins.layer_sync")
+        if self.sync_batchnorm and (
+            self._layer_sync is None or isinstance(self._layer_sync, layer_sync.TorchSyncBatchNorm)
+        ):
+            self._layer_sync = DeviceSyncBatchNorm(lambda: self.root_device.type)
+        assert self.model is not None
+        if self._layer_sync is None:
+            layers = [name for name, m in self.model.named_modules() if isinstance(m, _BatchNorm)]
+            if layers:
+                raise ValueError(
+                    f"strategy='balanced_ddp' with `sync_batchnorm=False` cannot give the step of one process on the"
+                    f" global batch: BatchNorm layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''})"
+                    " would normalize each rank's share on its own; keep `sync_batchnorm=True` (the default)"
+                )
+        self.split.check_devices(self.world_size)  # a per-rank list of the wrong length fails on every rank alike
+        super().setup(trainer)
+        self._timer = _StepTimer(self.root_device)
+        self._timed_plan = None
+        if self._split_observes and self.root_device.type == "cuda":
+            self.split.set_capacities(self._gpu_capacities())
+
+    def _gpu_capacities(self) -> list[int | None]:
+        """Each rank's GPU memory in bytes (one all_reduce at setup)."""
+        capacities = torch.zeros(self.world_size, dtype=torch.float64, device=self.root_device)
+        capacities[self.global_rank] = torch.cuda.get_device_properties(self.root_device).total_memory
+        dist.all_reduce(capacities)
+        return [int(c) for c in capacities.tolist()]
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """``dataloader``, yielding this rank's share of each of its global batches (:func:`share_loader`)."""
+        dataloader = super().process_dataloader(dataloader)
+        if isinstance(dataloader, DataLoader) and isinstance(dataloader.batch_sampler, ShareBatchSampler):
+            return dataloader
+        return share_loader(dataloader, self.split, self.global_rank, self.world_size)
+
+    # ---- the steps -------------------------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._share_step("training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._share_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._share_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._share_step("predict_step", args, kwargs)
+
+    def _take_share(self, step_name: str) -> RankShare:
+        """The share of the batch this step runs: the oldest one pending in the step's loaders."""
+        module = self.lightning_module
+        assert module is not None
+        loaders = _loaders(getattr(module.trainer, _STEP_LOADERS[step_name], None))
+        samplers: list[ShareBatchSampler] = [
+            loader.batch_sampler
+            for loader in loaders
+            if isinstance(getattr(loader, "batch_sampler", None), ShareBatchSampler)
+        ]
+        if step_name == "training_step" and len(samplers) > 1:
+            raise ValueError(
+                f"strategy='balanced_ddp' splits one train DataLoader's global batches, got {len(samplers)}: combine"
+                " them into one Dataset"
+            )
+        pending = [sampler for sampler in samplers if sampler.pending]
+        if not pending:
+            raise RuntimeError(
+                f"strategy='balanced_ddp': a batch reached {step_name} that the strategy's DataLoader did not cut"
+                " (no share of a global batch is pending); feed the step through Lightning's loop and its DataLoader"
+            )
+        oldest: ShareBatchSampler = min(pending, key=lambda sampler: sampler.pending[0].sequence)
+        return oldest.pending.popleft()
+
+    def _share_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        share = self._take_share(step_name)
+        samples = len(share.indices)
+        if samples == 0:  # the sampler yielded one sample for the structure: cut to none
+            if args:
+                args = (_cut_to_zero(args[0]), *args[1:])
+            else:
+                kwargs = {**kwargs, "batch": _cut_to_zero(kwargs["batch"])}
+        batch = args[0] if args else kwargs.get("batch")
+        try:
+            found = infer_batch_size(batch)
+        except ValueError:
+            found = samples  # no tensor with a batch dimension to count
+        if found != samples:
+            raise RuntimeError(
+                f"strategy='balanced_ddp': a batch of {found} samples reached {step_name} where rank"
+                f" {self.global_rank}'s share of the global batch has {samples}; the batch must come from the"
+                " strategy's DataLoader unchanged in size"
+            )
+        training = step_name == "training_step"
+        recorder = ReplicaLogRecorder()
+        module.log = recorder.log  # type: ignore[method-assign]
+        module.__dict__[BATCH_INDICES] = share.indices
+        timer = self._timer if training else None
+        try:
+            if timer is not None:
+                timer.start()
+            output = getattr(super(), step_name)(*args, **kwargs)
+            if timer is not None:
+                timer.stop()
+        finally:
+            module.__dict__.pop("log", None)
+            module.__dict__.pop(BATCH_INDICES, None)
+        if training:
+            size = self.world_size
+            self._loss_weight = float(size) if self.loss_reduction == "sum" else size * samples / share.global_size
+            self._report_plan(share)
+        self._exchange(module, recorder, share, training)
+        if training:
+            self._timed_plan = share.chunk_sizes
+        return output
+
+    def _report_plan(self, share: RankShare) -> None:
+        """One line per rank when a full batch's plan first appears or changes (as balanced_dp reports its split)."""
+        if share.chunk_sizes == self._reported_plan or (
+            self._reported_plan is not None and share.global_size != sum(self._reported_plan)
+        ):
+            return
+        self._reported_plan = share.chunk_sizes
+        total = max(share.global_size, 1)
+        lines = [
+            f"balanced_ddp: a global batch of {share.global_size} samples is split over"
+            f" {self.world_size} ranks as {share.chunk_sizes} ({self.split})"
+        ]
+        lines += [f"  rank {r}: {n} samples ({100.0 * n / total:.1f}%)" for r, n in enumerate(share.chunk_sizes)]
+        rank_zero_report("\n".join(lines))
+
+    def _exchange(
+        self, module: pl.LightningModule, recorder: ReplicaLogRecorder, share: RankShare, training: bool
+    ) -> None:
+        """One all_reduce per step: each rank's samples, its last step time, and the step's logged values.
+
+        Values logged with the default ``reduce_fx="mean"`` are combined weighted by each rank's share (a zero share
+        adds nothing, whatever its value), ``"sum"`` summed; each is logged once, as the global batch's value, with
+        ``batch_size`` the global batch and no second reduction. Others (``max``/``min``, a callable, a Metric) are
+        logged as the rank gave them.
+        """
+        size, rank, samples = self.world_size, self.global_rank, len(share.indices)
+        combined: list[tuple[str, Any, dict[str, Any], str]] = []
+        for name, (value, options) in recorder.calls.items():
+            reduce = options.get("reduce_fx", "mean")
+            kind = reduce.lower() if isinstance(reduce, str) else {torch.mean: "mean", torch.sum: "sum"}.get(reduce, "")
+            if kind in ("mean", "sum") and (
+                isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)
+            ):
+                combined.append((name, value, options, kind))
+            else:
+                module.log(name, value, **options)
+        buffer = torch.zeros(2 * size + len(combined), dtype=torch.float64, device=self.root_device)
+        buffer[rank] = samples
+        seconds = self._timer.take() if training and self._timer is not None else None
+        if seconds is not None:
+            buffer[size + rank] = seconds
+        for k, (_, value, _, kind) in enumerate(combined):
+            if samples:
+                weight = samples / share.global_size if kind == "mean" else 1.0
+                buffer[2 * size + k] = torch.as_tensor(value).detach().reshape(()).to(buffer) * weight
+        dist.all_reduce(buffer)
+        head = buffer[: 2 * size].tolist()  # one read from the device
+        counts = [int(c) for c in head[:size]]
+        if counts != share.chunk_sizes:
+            raise RuntimeError(
+                f"strategy='balanced_ddp': the ranks ran {counts} samples of a global batch planned {share.chunk_sizes}"
+                f" (rank {rank}'s view): the ranks' split policies disagree. A policy must plan the same on every rank"
+                " (a pure function of the batch size and what it observed from the gathered step times)"
+            )
+        for k, (name, _, options, _) in enumerate(combined):
+            module.log(name, buffer[2 * size + k], **{**options, "batch_size": share.global_size, "sync_dist": False})
+        if seconds is None or self._timed_plan is None:
+            return
+        times = head[size:]
+        if self._split_observes:
+            self.split.observe(list(self._timed_plan), times)
+        if self.log_shares:
+            slowest = max(times)
+            for r in range(size):
+                module.log(f"balanced_ddp/share_rank{r}", float(self._timed_plan[r]), batch_size=share.global_size)
+                module.log(f"balanced_ddp/step_s_rank{r}", times[r], batch_size=share.global_size)
+                module.log(f"balanced_ddp/idle_s_rank{r}", slowest - times[r], batch_size=share.global_size)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """DDP's backward on the loss weighted by ``world_size * share / global batch``.
+
+        DDP averages the ranks' gradients; so weighted, the average is the gradient of the global batch's mean loss.
+        A zero share's loss (a mean over no samples: NaN) is weighted by 0, which gives zero gradients.
+        """
+        return super().backward(closure_loss * self._loss_weight, optimizer, *args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        """As DDP's; a spawned or forked worker then ends its process group (as ``ddp_lr`` does)."""
+        self._timer = None
+        super().teardown()
+        if getattr(self, "_start_method", "popen") in ("spawn", "fork", "forkserver"):
+            end_process_group()
+
+
+class BalancedDDPStrategy(BalancedDDP, DDPStrategy):
+    """DDP over one global batch split unevenly over the ranks: each step is one process's step on the whole batch.
+
+    The DataLoader's ``batch_size`` is the **global** batch ``B``. Every rank walks the same global order (Lightning's
+    ``DistributedSampler`` over one replica: shuffled for training, seeded as under DDP, reshuffled each epoch) and
+    takes its share of each global batch, planned by a split policy over the ranks (``EvenSplit`` by default,
+    ``ChunkSizes``, ``Weights``, ``Gpu0Budget`` for rank 0, ``chunk_sizes="auto"`` measured and re-planned as the
+    ranks' speeds change, or a policy of your own). A rank may get 0 samples; the last, short global batch is split
+    too, and ``drop_last`` applies to the global batches. Validation, test and predict split their batches by the
+    same policy.
+
+    The step: each rank's loss is weighted by ``world_size * share / B`` (the loss scale, so every precision plugin
+    and DDP's own all-reduce stay as they are; a communication hook would have to learn ``B`` and the shares in the
+    hook), so DDP's average of the gradients is the gradient of the global batch's mean loss. With
+    ``sync_batchnorm=True`` (the default) BatchNorm normalizes over the whole global batch with uneven counts; without
+    it a model with BatchNorm is refused at setup, since the step would differ from one process's. Gradient clipping by
+    norm sees the all-reduced (global) gradient. What ``training_step`` (and the evaluation steps) log with
+    ``self.log`` is combined over the ranks in one ``all_reduce`` per step, weighted by share, and logged once as the
+    global batch's value on every rank (``reduce_fx`` ``"mean"`` or ``"sum"``; other reductions and metrics are logged
+    as under DDP). Every rank must log the same names in a step. A zero share's step runs on an empty batch (its
+    collectives, DDP's and SyncBatchNorm's, must still run): its loss (NaN for a mean over nothing) is weighted by 0.
+
+    Because the step is a function of the global batch only, the same config trains the same on 1 or 64 processes,
+    and a checkpoint saved on ``W1`` ranks resumes on ``W2`` at an epoch boundary with exactly the steps an
+    uninterrupted run takes (no learning-rate rescaling: the effective batch does not change). A mid-epoch resume
+    restarts the interrupted epoch's order, as Lightning does for a plain DataLoader under DDP.
+
+    ``DistributedEvalMixin`` gathers exactly: each rank's share carries its sample indices to ``add_eval_outputs``.
+
+    Args:
+        gpu0_bsz: the most samples rank 0 takes of each global batch (:class:`~lightning_balanced.Gpu0Budget`).
+        chunk_sizes: samples per rank for a global batch of their sum (:class:`~lightning_balanced.ChunkSizes`), or
+            ``"auto"`` (:class:`~lightning_balanced.AutoSplit`: each rank's forward time per sample, measured over the
+            first steps and gathered in the step's all_reduce, re-planned on lasting drift).
+        weights: relative capacity per rank (:class:`~lightning_balanced.Weights`).
+        split: a :class:`~lightning_balanced.SplitPolicy` over the ranks; at most one of these four.
+        loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` (weighted by share) or ``"sum"``.
+        sync_batchnorm: synchronize BatchNorm over the ranks (torch's ``SyncBatchNorm`` on CUDA, the package's on
+            CPU/gloo).
+        log_shares: log ``balanced_ddp/share_rank{r}``, ``balanced_ddp/step_s_rank{r}`` (the step method's seconds)
+            and ``balanced_ddp/idle_s_rank{r}`` (behind the slowest rank) for every rank, each training step.
+        **kwargs: what :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``start_method``,
+            ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
+
+    Raises:
+        TypeError, ValueError: a bad split option (:func:`~lightning_balanced.data_parallel.split_policy.split_policy`)
+            or ``loss_reduction``; at setup, a per-rank policy of the wrong length, or BatchNorm without
+            ``sync_batchnorm``; when a DataLoader is set up, one the strategy cannot split
+            (:func:`~lightning_balanced.data_parallel.rank_shares.share_loader`), or several train DataLoaders.
+        RuntimeError: in a step, when the ranks' plans disagree (a policy that is not the same on every rank).
+
+    Source: Lightning's ``DDPStrategy``; uneven batches per worker as in LB-BSP (Chen et al., SoCC 2020), with the
+    gradient weighted by share so that the step is exact.
+    """
