@@ -217,7 +217,8 @@ class ScaleInvariance(Callback):
         self.noise_scales = {}
         strategy = trainer.strategy
         whole_model = isinstance(strategy, DDPStrategy) and not isinstance(strategy, PipelineStrategy)
-        if not whole_model or trainer.world_size < 2:  # each rank must hold the whole model's gradient
+        # Each rank must hold the whole model's gradient of its own batch (not balanced_ddp's share-weighted one).
+        if not whole_model or data_parallel_size(strategy) < 2:
             return "  gradient noise scale: not measured (it needs DDP with 2 or more processes)"
 
         def record(parameter: torch.Tensor) -> None:

@@ -139,7 +139,8 @@ def test_a_misspelt_strategy_name_is_refused_in_one_line_with_the_closest_names(
         LightningBalancedCLI(args=["--config", str(config), *BORING], run=False)
     message = str(info.value)
     assert message.startswith(
-        "lightning-balanced: error: unknown strategy 'balanced-dp'. Did you mean 'balanced_dp'? Registered names: "
+        "lightning-balanced: error: unknown strategy 'balanced-dp'. Did you mean 'balanced_dp' or 'balanced_ddp' or"
+        " 'balanced_ddp_fork'? Registered names: "
     )
     assert "\n" not in message and ", pipeline, " in message
 
@@ -255,6 +256,10 @@ def test_a_third_party_plugins_strategy_name_resolves_in_the_cli(
 EXPECTED_OUTPUT = {
     "digits_balanced_dp.yaml": [
         "balanced_dp: a batch of 64 samples is split over 2 devices as [16, 48]",
+        "final: val_acc=",
+    ],
+    "digits_balanced_ddp.yaml": [
+        "balanced_ddp: a global batch of 64 samples is split over 2 ranks as [24, 40] (chunk_sizes=[24, 40])",
         "final: val_acc=",
     ],
     "digits_balanced_dp_split.yaml": [

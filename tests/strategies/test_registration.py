@@ -59,6 +59,7 @@ def test_the_strategies_are_the_entry_points_of_pyproject_in_order() -> None:
     assert _installed_entries() == declared, "the installed metadata is stale: reinstall (`pip install -e .`)"
     assert strategy_classes() == tuple(_resolve(target) for target in declared.values())
     assert [c.__name__ for c in strategy_classes()] == [
+        "BalancedDDPStrategy",
         "BalancedDataParallelStrategy",
         "LRScaledDDPStrategy",
         "GPipeStrategy",
@@ -75,9 +76,20 @@ def test_the_pytorch_lightning_variants_are_derived_from_the_table() -> None:
     compat = pytest.importorskip("lightning_balanced.strategies.pytorch_lightning_compat")
     from lightning_balanced.strategies.pytorch_lightning_compat import STRATEGIES as VARIANTS
 
-    assert VARIANTS == compat.STRATEGIES == (compat.BalancedDataParallelStrategy, compat.LRScaledDDPStrategy)
-    assert compat.__all__ == ["STRATEGIES", "BalancedDataParallelStrategy", "LRScaledDDPStrategy"]
-    assert {"STRATEGIES", "BalancedDataParallelStrategy", "LRScaledDDPStrategy"} <= set(dir(compat))
+    assert (
+        VARIANTS
+        == compat.STRATEGIES
+        == (compat.BalancedDDPStrategy, compat.BalancedDataParallelStrategy, compat.LRScaledDDPStrategy)
+    )
+    assert compat.__all__ == [
+        "STRATEGIES",
+        "BalancedDDPStrategy",
+        "BalancedDataParallelStrategy",
+        "LRScaledDDPStrategy",
+    ]
+    assert {"STRATEGIES", "BalancedDDPStrategy", "BalancedDataParallelStrategy", "LRScaledDDPStrategy"} <= set(
+        dir(compat)
+    )
 
 
 def test_a_variant_registers_the_names_of_its_class() -> None:
@@ -97,6 +109,11 @@ def test_each_class_registers_its_names() -> None:
             {},
         )
     }
+    assert [(name, params) for name, (_, params) in names["BalancedDDPStrategy"].items()] == [
+        ("balanced_ddp", {"start_method": "popen"}),
+        ("balanced_ddp_spawn", {"start_method": "spawn"}),
+        ("balanced_ddp_fork", {"start_method": "fork"}),
+    ]
     ((gpipe, (description, init_params)),) = names["GPipeStrategy"].items()
     assert (gpipe, init_params) == ("gpipe", {})
     assert description.startswith("Pipeline parallelism in one process")
