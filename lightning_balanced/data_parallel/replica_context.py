@@ -79,15 +79,16 @@ def _combine(values: Sequence[Any], sizes: Sequence[int], reduce_fx: object, dev
     return (stacked * weights.view(-1, *([1] * (stacked.dim() - 1)))).sum(0)
 
 
-def replay_logs(
-    module: pl.LightningModule, recorders: Sequence[ReplicaLogRecorder], chunk_sizes: Sequence[int]
-) -> None:
-    """Log each recorded name once on ``module``, combined over the replicas that logged it.
+def combine_logs(
+    recorders: Sequence[ReplicaLogRecorder], chunk_sizes: Sequence[int], device: torch.device
+) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Each recorded name once: ``(value, log options)`` combined over the recorders (chunks) that logged it.
 
-    Values are combined by the call's ``reduce_fx``: ``"sum"``, ``"max"``, ``"min"`` across replicas, otherwise the mean
+    Values are combined by the call's ``reduce_fx``: ``"sum"``, ``"max"``, ``"min"`` across chunks, otherwise the mean
     weighted by chunk size (the value the whole batch would have logged). ``batch_size``, when given, is summed.
     """
     names = list(dict.fromkeys(name for recorder in recorders for name in recorder.calls))
+    combined: dict[str, tuple[Any, dict[str, Any]]] = {}
     for name in names:
         logged = [
             (recorder.calls[name], size)
@@ -99,7 +100,15 @@ def replay_logs(
         kwargs = dict(logged[0][0][1])
         if kwargs.get("batch_size") is not None:
             kwargs["batch_size"] = sum(call[1].get("batch_size") or size for call, size in logged)
-        value = _combine(values, sizes, kwargs.get("reduce_fx", "mean"), module.device)
+        combined[name] = (_combine(values, sizes, kwargs.get("reduce_fx", "mean"), device), kwargs)
+    return combined
+
+
+def replay_logs(
+    module: pl.LightningModule, recorders: Sequence[ReplicaLogRecorder], chunk_sizes: Sequence[int]
+) -> None:
+    """Log each recorded name once on ``module``, combined over the replicas that logged it (:func:`combine_logs`)."""
+    for name, (value, kwargs) in combine_logs(recorders, chunk_sizes, module.device).items():
         module.log(name, value, **kwargs)
 
 

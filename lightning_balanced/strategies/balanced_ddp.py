@@ -19,12 +19,12 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_balanced.arguments import check_bool
+from lightning_balanced.arguments import check_bool, check_int
 from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
 from lightning_balanced.data_parallel.rank_shares import RankShare, ShareBatchSampler, share_loader
-from lightning_balanced.data_parallel.replica_context import ReplicaLogRecorder
+from lightning_balanced.data_parallel.replica_context import ReplicaLogRecorder, combine_logs
 from lightning_balanced.data_parallel.scatter import infer_batch_size
-from lightning_balanced.data_parallel.split_policy import SplitPolicy, split_policy
+from lightning_balanced.data_parallel.split_policy import SplitPolicy, even_split, split_policy
 from lightning_balanced.evaluation.mixin import BATCH_INDICES
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
 from lightning_balanced.progress_log import rank_zero_report
@@ -54,22 +54,53 @@ def _loaders(loaders: Any) -> list[Any]:
     return [] if loaders is None else [loaders]
 
 
+def _check_max_micro_batch(value: int | Sequence[int] | None) -> int | list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [check_int(f"max_micro_batch[{i}]", v, minimum=1) for i, v in enumerate(value)]
+    return check_int("max_micro_batch", value, minimum=1)
+
+
+def _pieces(samples: int, cap: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of the micro-batches of a share: as many as ``cap`` needs, sizes within one of each other."""
+    count = -(-samples // cap)
+    sizes = even_split(samples, count)
+    return [(sum(sizes[:k]), size) for k, size in enumerate(sizes)]
+
+
+def _slice(batch: Any, start: int, size: int) -> Any:
+    return apply_to_collection(batch, Tensor, lambda t: t[start : start + size] if t.dim() else t)
+
+
 def _cut_to_zero(batch: Any) -> Any:
     """The batch with every tensor that has a batch dimension cut to 0 samples (a zero share's batch)."""
     return apply_to_collection(batch, Tensor, lambda t: t[:0] if t.dim() else t)
 
 
 class _StepTimer:
-    """This rank's time for the step method of the training steps (the forward pass and the loss), in seconds.
+    """This rank's step-method seconds (forward passes and losses) and, on CUDA, peak memory of a training step.
 
-    The host clock on the CPU; on CUDA two events on the current stream, read at the next step's exchange (by then the
-    step has long been queued, so the read waits at most for the previous optimizer step).
+    Several spans (micro-batches) add up. The host clock on the CPU; on CUDA events on the current stream, read at the
+    next step's exchange (by then the step has long been queued, so the read waits at most for the previous optimizer
+    step). The peak, on CUDA, is ``torch.cuda.max_memory_allocated`` from the start of one step to the start of the
+    next: forward, backward and optimizer step.
     """
 
     def __init__(self, device: torch.device) -> None:
+        self._device = device
         self._cuda = device.type == "cuda"
+        self._spans: list[Any] = []
         self._began: Any = None
-        self._mark: Any = None
+        self._done: list[Any] | None = None
+        self._done_peak = 0
+
+    def new_step(self) -> None:
+        """Close the last step's spans for :meth:`take`, and start measuring the peak memory of this one."""
+        self._done, self._spans = self._spans or None, []
+        if self._cuda:
+            self._done_peak = int(torch.cuda.max_memory_allocated(self._device))
+            torch.cuda.reset_peak_memory_stats(self._device)
 
     def start(self) -> None:
         if self._cuda:
@@ -82,18 +113,21 @@ class _StepTimer:
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._mark = (self._began, end)
+            self._spans.append((self._began, end))
         else:
-            self._mark = time.perf_counter() - self._began
+            self._spans.append(time.perf_counter() - self._began)
 
-    def take(self) -> float | None:
-        """The last timed step's seconds (``None`` when none was timed since the last take)."""
-        mark, self._mark = self._mark, None
-        if mark is None or not self._cuda:
-            return None if mark is None else float(mark)
-        began, end = mark
-        end.synchronize()
-        return float(began.elapsed_time(end)) / 1000.0
+    def take(self) -> tuple[float, int | None] | None:
+        """The last timed step's seconds and peak bytes (``None``: no step was timed since the last take)."""
+        spans, self._done = self._done, None
+        if spans is None:
+            return None
+        if not self._cuda:
+            return float(sum(spans)), None
+        for _, end in spans:
+            end.synchronize()
+        seconds = sum(float(began.elapsed_time(end)) for began, end in spans) / 1000.0
+        return seconds, self._done_peak
 
 
 class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
@@ -130,10 +164,12 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
         split: SplitPolicy | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         sync_batchnorm: bool = True,
+        max_micro_batch: int | Sequence[int] | None = None,
         log_shares: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.max_micro_batch = _check_max_micro_batch(max_micro_batch)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
         self.split = split_policy(gpu0_bsz, chunk_sizes, weights, split=split)
@@ -143,6 +179,7 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
         # Only a policy that learns from the steps (overrides `observe`) is told each rank's step time.
         self._split_observes = type(self.split).observe is not SplitPolicy.observe
         self._loss_weight = 1.0
+        self._micro_batch_grads: list[tuple[Tensor, Tensor]] = []
         self._timer: _StepTimer | None = None
         self._timed_plan: list[int] | None = None  # the plan of the step whose time the timer holds
         self._reported_plan: list[int] | None = None
@@ -186,6 +223,22 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
                     " would normalize each rank's share on its own; keep `sync_batchnorm=True` (the default)"
                 )
         self.split.check_devices(self.world_size)  # a per-rank list of the wrong length fails on every rank alike
+        if isinstance(self.max_micro_batch, list) and len(self.max_micro_batch) != self.world_size:
+            raise ValueError(
+                f"`max_micro_batch` needs one entry per rank ({self.world_size}), got {len(self.max_micro_batch)}:"
+                f" {self.max_micro_batch}"
+            )
+        if self.max_micro_batch is not None and any(isinstance(m, _BatchNorm) for m in self.model.modules()):
+            raise ValueError(
+                "strategy='balanced_ddp' cannot run a share in micro-batches (`max_micro_batch`) with BatchNorm layers:"
+                " BatchNorm normalizes over the samples of one forward pass, so the step would change (and the ranks'"
+                " synchronized layers would meet a different number of times); drop `max_micro_batch`"
+            )
+        if self.max_micro_batch is not None and not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
+            raise ValueError(
+                "strategy='balanced_ddp' runs a share in micro-batches (`max_micro_batch`) under automatic"
+                " optimization only: with `automatic_optimization = False`, cut the batch in your training_step"
+            )
         super().setup(trainer)
         self._timer = _StepTimer(self.root_device)
         self._timed_plan = None
@@ -253,12 +306,9 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
         assert module is not None
         share = self._take_share(step_name)
         samples = len(share.indices)
+        batch = args[0] if args else kwargs["batch"]
         if samples == 0:  # the sampler yielded one sample for the structure: cut to none
-            if args:
-                args = (_cut_to_zero(args[0]), *args[1:])
-            else:
-                kwargs = {**kwargs, "batch": _cut_to_zero(kwargs["batch"])}
-        batch = args[0] if args else kwargs.get("batch")
+            batch = _cut_to_zero(batch)
         try:
             found = infer_batch_size(batch)
         except ValueError:
@@ -270,27 +320,89 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
                 " strategy's DataLoader unchanged in size"
             )
         training = step_name == "training_step"
-        recorder = ReplicaLogRecorder()
-        module.log = recorder.log  # type: ignore[method-assign]
-        module.__dict__[BATCH_INDICES] = share.indices
         timer = self._timer if training else None
-        try:
-            if timer is not None:
-                timer.start()
-            output = getattr(super(), step_name)(*args, **kwargs)
-            if timer is not None:
-                timer.stop()
-        finally:
-            module.__dict__.pop("log", None)
-            module.__dict__.pop(BATCH_INDICES, None)
+        if timer is not None:
+            timer.new_step()
+        cap = self._micro_batch_cap() if training else None
+        pieces = [(0, samples)] if cap is None or samples <= cap else _pieces(samples, cap)
+        run = getattr(super(), step_name)
+        recorders: list[ReplicaLogRecorder] = []
+        output: Any = None
+        # The micro-batches' gradients are kept aside until `backward`: Lightning's closure may zero the gradients
+        # between training_step and backward (on the first batch of an accumulation window).
+        params = [p for p in module.parameters() if p.requires_grad] if len(pieces) > 1 else []
+        previous = [param.grad for param in params]
+        for param in params:
+            param.grad = None
+        for number, (start, size) in enumerate(pieces):
+            piece = batch if len(pieces) == 1 else _slice(batch, start, size)
+            piece_args, piece_kwargs = ((piece, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": piece})
+            recorders.append(ReplicaLogRecorder())
+            module.log = recorders[-1].log  # type: ignore[method-assign]
+            module.__dict__[BATCH_INDICES] = share.indices[start : start + size]
+            last = number == len(pieces) - 1
+            try:
+                if timer is not None:
+                    timer.start()
+                if last:
+                    output = run(*piece_args, **piece_kwargs)
+                    if timer is not None:
+                        timer.stop()
+                else:
+                    self._backward_micro_batch(run, piece_args, piece_kwargs, size, share.global_size, timer)
+            finally:
+                module.__dict__.pop("log", None)
+                module.__dict__.pop(BATCH_INDICES, None)
+        self._micro_batch_grads = [(param, param.grad) for param in params if param.grad is not None]
+        for param, grad in zip(params, previous, strict=True):
+            param.grad = grad
         if training:
-            size = self.world_size
-            self._loss_weight = float(size) if self.loss_reduction == "sum" else size * samples / share.global_size
+            self._loss_weight = self._weight(pieces[-1][1], share.global_size)
             self._report_plan(share)
-        self._exchange(module, recorder, share, training)
+        sizes = [size for _, size in pieces]
+        calls = recorders[0].calls if len(recorders) == 1 else combine_logs(recorders, sizes, self.root_device)
+        self._exchange(module, calls, share, training)
         if training:
             self._timed_plan = share.chunk_sizes
         return output
+
+    def _weight(self, samples: int, global_size: int) -> float:
+        """The loss weight of ``samples`` of a global batch of ``global_size``: DDP's mean then gives the global one."""
+        return float(self.world_size) if self.loss_reduction == "sum" else self.world_size * samples / global_size
+
+    def _micro_batch_cap(self) -> int | None:
+        cap = self.max_micro_batch
+        return cap[self.global_rank] if isinstance(cap, list) else cap
+
+    def _backward_micro_batch(
+        self,
+        run: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        samples: int,
+        global_size: int,
+        timer: _StepTimer | None,
+    ) -> None:
+        """Forward and backward of one micro-batch of a share, under DDP's ``no_sync``: its gradient accumulates.
+
+        Weighted as the share's last micro-batch will be, and divided by ``accumulate_grad_batches`` as Lightning's
+        closure divides the loss it backpropagates, so the share's micro-batches add up to the share's gradient.
+        """
+        module = self.lightning_module
+        assert module is not None and self.model is not None
+        with self.model.no_sync():  # type: ignore[operator]
+            output = run(*args, **kwargs)
+            if timer is not None:
+                timer.stop()
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if not isinstance(loss, Tensor):
+                raise ValueError(
+                    "strategy='balanced_ddp' with `max_micro_batch` backpropagates each micro-batch's loss:"
+                    " training_step must return the loss (a Tensor, or a dict with 'loss'),"
+                    f" got {type(output).__name__}"
+                )
+            weight = self._weight(samples, global_size) / module.trainer.accumulate_grad_batches
+            super().backward(loss * weight, None)  # not this class's: no stashed gradients, no weight of the share
 
     def _report_plan(self, share: RankShare) -> None:
         """One line per rank when a full batch's plan first appears or changes (as balanced_dp reports its split)."""
@@ -308,7 +420,7 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
         rank_zero_report("\n".join(lines))
 
     def _exchange(
-        self, module: pl.LightningModule, recorder: ReplicaLogRecorder, share: RankShare, training: bool
+        self, module: pl.LightningModule, calls: dict[str, tuple[Any, dict[str, Any]]], share: RankShare, training: bool
     ) -> None:
         """One all_reduce per step: each rank's samples, its last step time, and the step's logged values.
 
@@ -319,7 +431,7 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
         """
         size, rank, samples = self.world_size, self.global_rank, len(share.indices)
         combined: list[tuple[str, Any, dict[str, Any], str]] = []
-        for name, (value, options) in recorder.calls.items():
+        for name, (value, options) in calls.items():
             reduce = options.get("reduce_fx", "mean")
             kind = reduce.lower() if isinstance(reduce, str) else {torch.mean: "mean", torch.sum: "sum"}.get(reduce, "")
             if kind in ("mean", "sum") and (
@@ -328,17 +440,19 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
                 combined.append((name, value, options, kind))
             else:
                 module.log(name, value, **options)
-        buffer = torch.zeros(2 * size + len(combined), dtype=torch.float64, device=self.root_device)
+        # [samples | seconds | peak bytes | logged values], one slot per rank in the first three (the others' are 0).
+        buffer = torch.zeros(3 * size + len(combined), dtype=torch.float64, device=self.root_device)
         buffer[rank] = samples
-        seconds = self._timer.take() if training and self._timer is not None else None
-        if seconds is not None:
-            buffer[size + rank] = seconds
+        timed = self._timer.take() if training and self._timer is not None else None
+        if timed is not None:
+            buffer[size + rank] = timed[0]
+            buffer[2 * size + rank] = -1 if timed[1] is None else timed[1]
         for k, (_, value, _, kind) in enumerate(combined):
             if samples:
                 weight = samples / share.global_size if kind == "mean" else 1.0
-                buffer[2 * size + k] = torch.as_tensor(value).detach().reshape(()).to(buffer) * weight
+                buffer[3 * size + k] = torch.as_tensor(value).detach().reshape(()).to(buffer) * weight
         dist.all_reduce(buffer)
-        head = buffer[: 2 * size].tolist()  # one read from the device
+        head = buffer[: 3 * size].tolist()  # one read from the device
         counts = [int(c) for c in head[:size]]
         if counts != share.chunk_sizes:
             raise RuntimeError(
@@ -347,12 +461,13 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
                 " (a pure function of the batch size and what it observed from the gathered step times)"
             )
         for k, (name, _, options, _) in enumerate(combined):
-            module.log(name, buffer[2 * size + k], **{**options, "batch_size": share.global_size, "sync_dist": False})
-        if seconds is None or self._timed_plan is None:
+            module.log(name, buffer[3 * size + k], **{**options, "batch_size": share.global_size, "sync_dist": False})
+        if timed is None or self._timed_plan is None:
             return
-        times = head[size:]
+        times = head[size : 2 * size]
         if self._split_observes:
-            self.split.observe(list(self._timed_plan), times)
+            peaks = [None if b < 0 else int(b) for b in head[2 * size :]]
+            self.split.observe(list(self._timed_plan), times, None if None in peaks else peaks)
         if self.log_shares:
             slowest = max(times)
             for r in range(size):
@@ -367,6 +482,9 @@ class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
         DDP averages the ranks' gradients; so weighted, the average is the gradient of the global batch's mean loss.
         A zero share's loss (a mean over no samples: NaN) is weighted by 0, which gives zero gradients.
         """
+        for param, grad in self._micro_batch_grads:  # before DDP's synchronized backward, which reduces them too
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._micro_batch_grads = []
         return super().backward(closure_loss * self._loss_weight, optimizer, *args, **kwargs)
 
     @override
@@ -417,6 +535,10 @@ class BalancedDDPStrategy(BalancedDDP, DDPStrategy):
         loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` (weighted by share) or ``"sum"``.
         sync_batchnorm: synchronize BatchNorm over the ranks (torch's ``SyncBatchNorm`` on CUDA, the package's on
             CPU/gloo).
+        max_micro_batch: the most samples a rank runs in one forward pass (an int for every rank, or one per rank):
+            a larger share runs as micro-batches of near-equal size, all but the last forward and backward under
+            DDP's ``no_sync``, each weighted by its samples, so the step is the same. Automatic optimization only, and
+            refused with BatchNorm (which normalizes over one forward pass's samples).
         log_shares: log ``balanced_ddp/share_rank{r}``, ``balanced_ddp/step_s_rank{r}`` (the step method's seconds)
             and ``balanced_ddp/idle_s_rank{r}`` (behind the slowest rank) for every rank, each training step.
         **kwargs: what :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``start_method``,

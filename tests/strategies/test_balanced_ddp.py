@@ -88,7 +88,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[Any]:
     results = []
     for run in runs:
-        model = Regressor(run.get("optimizer", "sgd"))
+        model = Regressor(run.get("optimizer", "sgd"), batchnorm=run.get("batchnorm", True))
         losses = _Losses()
         strategy = BalancedDDPStrategy(**run.get("strategy", {}))
         trainer = quiet_trainer(strategy, world_size, callbacks=[losses], **{"max_steps": 3, **run.get("trainer", {})})
@@ -103,11 +103,16 @@ def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[An
 
 
 def _reference(
-    steps: int, batch_size: int = 8, optimizer: str = "sgd", accumulate: int = 1, clip: float | None = None
+    steps: int,
+    batch_size: int = 8,
+    optimizer: str = "sgd",
+    accumulate: int = 1,
+    clip: float | None = None,
+    batchnorm: bool = True,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process on the global batches, in the order of Lightning's DistributedSampler over one replica (shuffled,
     seeded, reshuffled each epoch), stepping as Lightning's loop does with accumulation and clipping."""
-    model = Regressor(optimizer)
+    model = Regressor(optimizer, batchnorm=batchnorm)
     opt = model.configure_optimizers()
     data = _data()
     x, y = data[:]
@@ -149,6 +154,13 @@ _TWO_RANK_RUNS = [
     {"strategy": {"chunk_sizes": [0, 8]}, "optimizer": "adam"},  # a rank with no samples, every step
     {"strategy": {"split": EvenSplit()}, "batch_size": 5},  # 24 = 4 x 5 + 4: a short last global batch, split too
     {"strategy": {"chunk_sizes": [1, 7]}, "trainer": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}},
+    # Rank 1's share of 7 in micro-batches of at most 3 (3, 2, 2), accumulated under no_sync, rank 0's 1 whole.
+    {
+        "strategy": {"chunk_sizes": [1, 7], "max_micro_batch": 3},
+        "trainer": {"accumulate_grad_batches": 2},
+        "batchnorm": False,
+        "optimizer": "adam",
+    },
 ]
 
 
@@ -160,6 +172,7 @@ def test_uneven_shares_train_as_one_process_on_the_global_batch_on_two_ranks() -
         _reference(3, optimizer="adam"),
         _reference(6, batch_size=5),  # not 3: the short batch must be reached
         _reference(3, accumulate=2, clip=0.05),
+        _reference(3, optimizer="adam", accumulate=2, batchnorm=False),
     ]
     for index, reference in enumerate(references):
         ranks = [results[rank][index] for rank in range(2)]
@@ -229,6 +242,10 @@ def _error_rank(rank: int, world_size: int, case: str) -> str:
     options: dict[str, Any] = {}
     loader: Any = DataLoader(_data(), batch_size=8)
     strategy = BalancedDDPStrategy(chunk_sizes=[1, 2, 5] if case == "length" else None)
+    if case == "micro-batches":
+        strategy = BalancedDDPStrategy(max_micro_batch=[4, 4, 4])
+    if case == "micro-batches-batchnorm":
+        strategy = BalancedDDPStrategy(max_micro_batch=2)
     if case == "batchnorm":
         strategy = BalancedDDPStrategy(sync_batchnorm=False)
         model = Regressor()
@@ -254,6 +271,12 @@ class _Stream(IterableDataset):  # type: ignore[type-arg]
 def test_bad_input_is_named_on_every_rank_before_a_step() -> None:
     cases = {
         "length": "ValueError: `chunk_sizes` needs one entry per device (2), got 3: [1, 2, 5]",
+        "micro-batches": "ValueError: `max_micro_batch` needs one entry per rank (2), got 3: [4, 4, 4]",
+        "micro-batches-batchnorm": (
+            "ValueError: strategy='balanced_ddp' cannot run a share in micro-batches (`max_micro_batch`) with"
+            " BatchNorm layers: BatchNorm normalizes over the samples of one forward pass, so the step would change"
+            " (and the ranks' synchronized layers would meet a different number of times); drop `max_micro_batch`"
+        ),
         "batchnorm": (
             "ValueError: strategy='balanced_ddp' with `sync_batchnorm=False` cannot give the step of one process on"
             " the global batch: BatchNorm layers (net.1) would normalize each rank's share on its own; keep"
@@ -318,6 +341,8 @@ def test_bad_arguments_name_what_was_expected() -> None:
         ValueError, "Give at most one of `gpu0_bsz`, `chunk_sizes` and `weights`, got chunk_sizes and weights"
     ):
         BalancedDDPStrategy(chunk_sizes=[1, 2], weights=[1.0, 2.0])
+    with raises_exactly(ValueError, "`max_micro_batch[1]` must be >= 1, got 0"):
+        BalancedDDPStrategy(max_micro_batch=[2, 0])
     with raises_exactly(TypeError, "`sync_batchnorm` must be a bool, got 'yes'"):
         BalancedDDPStrategy(sync_batchnorm="yes")  # type: ignore[arg-type]
 
