@@ -69,20 +69,33 @@ class DeferredBatchNorm(_BatchNorm):
             dims = [0, *range(2, x.dim())]
             self._parts.append(batch_moments(x, dims, dtype=moments_dtype(x.device)))
 
-    def commit(self) -> None:
-        """Update the running statistics from the micro-batches tracked since the last commit; a no-op if none."""
+    def tracked(self) -> Moments | None:
+        """The moments of the micro-batches tracked since the last :meth:`commit` (``None``: none were)."""
         parts = self._parts
-        self.reset_accumulator()
-        if not parts or not self.track_running_stats:
-            return
-        assert self.running_mean is not None and self.running_var is not None
-        assert self.num_batches_tracked is not None
+        if not parts:
+            return None
         with torch.no_grad():
-            total = combine_moments(
+            return combine_moments(
                 torch.stack([part.count for part in parts]),
                 torch.stack([part.mean for part in parts]),
                 torch.stack([part.m2 for part in parts]),
             )
+
+    def commit(self, total: Moments | None = None) -> None:
+        """Update the running statistics from the micro-batches tracked since the last commit; a no-op if none.
+
+        Args:
+            total (Moments, optional): the moments to commit instead of :meth:`tracked`'s, e.g. those of several
+                data-parallel replicas' micro-batches merged (``strategy="pipeline"``).
+        """
+        if total is None:
+            total = self.tracked()
+        self.reset_accumulator()
+        if total is None or not self.track_running_stats:
+            return
+        assert self.running_mean is not None and self.running_var is not None
+        assert self.num_batches_tracked is not None
+        with torch.no_grad():
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
             var = total.m2 / (total.count - 1).clamp_min(1)  # unbiased

@@ -12,7 +12,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_module_name
@@ -20,6 +20,7 @@ from lightning_balanced.data_parallel import virtual_devices
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
 from lightning_balanced.pipeline.balance import BALANCE_CHOICES, BalanceChoice, choose_balance, even_balance
 from lightning_balanced.pipeline.pipe import validate_balance, validate_checkpoint, validate_chunks
+from lightning_balanced.pipeline.sequential import find_sequential
 from lightning_balanced.progress_log import counted, rank_zero_report
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
@@ -201,7 +202,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             )
         module = self.lightning_module
         assert module is not None
-        sequential = self._find_sequential(module)
+        sequential = find_sequential(module, self.module_name, "gpipe")
         devices = virtual_devices(self.parallel_devices)  # on CPU, partition j on virtual device cpu:j
         if isinstance(self.balance, list):
             balance: Any = validate_balance(self.balance, len(sequential), len(devices))
@@ -232,24 +233,6 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             raise
         if self._pipe.balance is not None:
             self._report()
-
-    def _find_sequential(self, module: pl.LightningModule) -> nn.Sequential:
-        if not hasattr(module, self.module_name):
-            raise ValueError(
-                f"`module_name`={self.module_name!r}: {type(module).__name__} has no attribute {self.module_name!r};"
-                " strategy='gpipe' pipelines the nn.Sequential it names"
-            )
-        sequential = getattr(module, self.module_name)
-        if isinstance(sequential, Pipe):
-            sequential = sequential.unwrap()
-        if not isinstance(sequential, nn.Sequential):
-            raise TypeError(
-                f"`module_name`={self.module_name!r}: {type(module).__name__}.{self.module_name} must be an"
-                f" nn.Sequential, got {type(sequential).__name__}"
-            )
-        if len(sequential) == 0:
-            raise ValueError(f"`module_name`={self.module_name!r}: the nn.Sequential has no layers")
-        return sequential
 
     def _measure_balance(self, pipe: Pipe, sample: Any) -> list[int]:
         """Choose the balance on the first micro-batch (``balance`` "auto", "time", "memory" or "parameters")."""

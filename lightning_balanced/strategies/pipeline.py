@@ -7,7 +7,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,14 +18,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int, check_module_name
 from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
+from lightning_balanced.nn.moments import Moments, combine_moments
 from lightning_balanced.pipeline.balance import even_balance
+from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.bubble import BusyTimer, bubble
 from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_forward
 from lightning_balanced.pipeline.pipe import validate_balance
+from lightning_balanced.pipeline.recompute import recomputing
+from lightning_balanced.pipeline.sequential import find_sequential
 from lightning_balanced.pipeline.stage_plan import (
     ScheduleSpec,
     cut_sequential,
@@ -41,6 +46,20 @@ from lightning_balanced.strategies.registration import RegisteredStrategy
 __all__ = ["PipelineStrategy"]
 
 log = logging.getLogger(__name__)
+
+#: What PipelineStrategy passes on to Lightning's DDPStrategy: the process group and the plugins, no DDP option.
+_PROCESS_ARGUMENTS = frozenset(
+    {
+        "accelerator",
+        "parallel_devices",
+        "cluster_environment",
+        "checkpoint_io",
+        "precision_plugin",
+        "process_group_backend",
+        "timeout",
+        "start_method",
+    }
+)
 
 #: The LightningModule hook the last stage calls on each micro-batch.
 LOSS_HOOK = "compute_loss"
@@ -68,7 +87,12 @@ class _Stage(nn.Module):
         self.loss_parameters = nn.ParameterList(loss_parameters)
 
     def forward(self, x: Tensor) -> Any:
-        output = activation_checkpoint(self.layers, x, use_reentrant=False) if self.checkpointed else self.layers(x)
+        if self.checkpointed:  # the recomputation in backward is marked, so DeferredBatchNorm counts it once
+            output = activation_checkpoint(
+                self.layers, x, use_reentrant=False, context_fn=lambda: (nullcontext(), recomputing())
+            )
+        else:
+            output = self.layers(x)
         return _with_grad_fn(output)
 
 
@@ -171,8 +195,15 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
             all_reduce, so every rank logs the same values. On CUDA the stages are timed with events, and each step
             waits twice for the device: for its last kernel before the pipeline's all_reduce (the end of the rank's
             step), and for that all_reduce (reading the times).
-        **kwargs: what :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``process_group_backend``,
-            ``timeout``, ``start_method``, ...).
+        deferred_batch_norm: replace ``nn.BatchNorm1d/2d/3d`` in the Sequential by
+            :class:`~lightning_balanced.pipeline.DeferredBatchNorm` while the strategy runs: each micro-batch is
+            normalized on its own (GPipe), and the running statistics and ``num_batches_tracked`` are updated once
+            per step from all micro-batches of the global batch (the data-parallel replicas' merged), as the
+            unpipelined model would from the whole batch.
+        **kwargs: the process group's and plugins' arguments of :class:`~lightning.pytorch.strategies.DDPStrategy`
+            (``process_group_backend``, ``timeout``, ``start_method``, ``cluster_environment``, ``checkpoint_io``,
+            ``precision_plugin``, ...); its DDP options (``find_unused_parameters``, ``ddp_comm_hook``,
+            ``model_averaging_period``, ...) are refused by name.
 
     Raises:
         TypeError: ``chunks``, ``stages_per_rank`` or ``pipeline_parallel_size`` not an integer, ``schedule`` not a
@@ -202,9 +233,18 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         activation_checkpointing: bool = False,
         module_name: str = "sequential_module",
         log_bubble: bool = True,
+        deferred_batch_norm: bool = True,
         **kwargs: Any,
     ) -> None:
+        ignored = [name for name, value in kwargs.items() if name not in _PROCESS_ARGUMENTS and value is not None]
+        if ignored:
+            raise ValueError(
+                "strategy='pipeline' builds no DistributedDataParallel (the schedule runs the stages; gradients are"
+                " averaged over the data-parallel group explicitly), so"
+                f" {', '.join(f'`{name}`' for name in ignored)} would do nothing: remove them"
+            )
         super().__init__(**kwargs)
+        self.deferred_batch_norm = check_bool("deferred_batch_norm", deferred_batch_norm)
         if schedule is None:
             schedule = "1F1B" if schedule_spec("1F1B").available() else "GPipe"
         self.schedule: ScheduleSpec = schedule_spec(schedule)
@@ -345,14 +385,7 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         self._report()
 
     def _build_stages(self, module: pl.LightningModule) -> None:
-        sequential = getattr(module, self.module_name, None)
-        if isinstance(sequential, _PipelinedSequential):
-            sequential = sequential.unwrap()
-        if not isinstance(sequential, nn.Sequential):
-            raise ValueError(
-                f"strategy='pipeline' pipelines the nn.Sequential at `{type(module).__name__}.{self.module_name}`,"
-                f" found {type(sequential).__name__}; set `module_name` to the attribute that holds it"
-            )
+        sequential = find_sequential(module, self.module_name, "pipeline")
         p, k = self.pipeline_size, self.stages_per_rank
         num_stages = p * k
         if self.balance is None:
@@ -369,6 +402,8 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
                     f"`balance` {balance} must hold one entry per stage: {num_stages} ({p} ranks x {k} stages per rank)"
                 )
         self._balance = balance
+        if self.deferred_batch_norm:  # in place: the stages and the wrapper below hold the converted layers
+            DeferredBatchNorm.convert_deferred_batch_norm(sequential)
         stages = cut_sequential(sequential, balance)
         self._owners = stage_owners(p, k, self.schedule.placement)
         mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
@@ -397,6 +432,38 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         rank_zero_report("\n".join(lines))
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._check_batch_sizes()
+
+    def _check_batch_sizes(self) -> None:
+        """Before the first step: every training batch that will run splits into ``chunks`` equal micro-batches."""
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        loader = trainer.train_dataloader
+        if not isinstance(loader, DataLoader) or not isinstance(loader.batch_size, int):
+            return  # the step checks each batch
+        if loader.batch_size % self.chunks:
+            raise ValueError(
+                f"strategy='pipeline' splits each batch into `chunks`={self.chunks} equal micro-batches, but the"
+                f" DataLoader's `batch_size` is {loader.batch_size}: use a multiple of {self.chunks}"
+            )
+        try:
+            samples = len(loader.sampler)  # type: ignore[arg-type]  # this rank's: DistributedSampler's share
+        except TypeError:
+            return
+        last = samples % loader.batch_size
+        reached = trainer.num_training_batches >= len(loader)
+        if last and last % self.chunks and not loader.drop_last and reached:
+            raise ValueError(
+                f"strategy='pipeline' splits each batch into `chunks`={self.chunks} equal micro-batches, but the last"
+                f" training batch of each epoch would have {last} samples ({samples} samples per data-parallel rank in"
+                f" batches of {loader.batch_size}): set `drop_last=True` on the DataLoader, or choose sizes that leave"
+                f" a multiple of {self.chunks}"
+            )
+
+    @override
     def on_train_end(self) -> None:
         self._share_stages()  # every rank holds the whole trained model after fit
 
@@ -404,7 +471,7 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
     def teardown(self) -> None:
         module = self.lightning_module
         if self._pipelined is not None and module is not None:
-            setattr(module, self.module_name, self._pipelined.unwrap())
+            setattr(module, self.module_name, DeferredBatchNorm.revert_deferred_batch_norm(self._pipelined.unwrap()))
         self._pipelined = None
         self._stages = {}
         self._schedules = {}
@@ -462,8 +529,12 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
         step_kwargs: dict[str, Any] = {"target": y} if len(self._owners) - 1 in self._stages else {}
         if self._timer is not None:
             self._timer.start_step()
+        deferred = self._deferred_batch_norms()
+        for layer in deferred:
+            layer.reset_accumulator()
         with self.precision_plugin.train_step_context():
             schedule.step(*step_args, **step_kwargs)
+        self._commit_batch_norms(deferred)
         # One all_reduce over the pipeline carries each rank's compute time, the loss (float64 on every rank: only the
         # last stage's rank knows the loss's own dtype), each rank's step time, and the gradients of the parameters
         # outside the nn.Sequential with a flag each for "has a gradient": [busy | loss | step | flags | gradients].
@@ -502,6 +573,43 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
             step_s = max(head[p + 1 : 2 * p + 1])
             self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in head[:p]], batch_size)
         return loss
+
+    def _deferred_batch_norms(self) -> list[DeferredBatchNorm]:
+        return [
+            m for _, stage in sorted(self._stages.items()) for m in stage.modules() if isinstance(m, DeferredBatchNorm)
+        ]
+
+    def _commit_batch_norms(self, layers: list[DeferredBatchNorm]) -> None:
+        """Update each layer's running statistics once, from every micro-batch of the (global) mini-batch.
+
+        With data parallelism the moments of the ``d`` replicas' micro-batches are merged (one all_gather over ``dp``
+        for all of this rank's layers, Chan et al.'s formula), so every replica updates alike, as one process would
+        from the global batch.
+        """
+        if not layers:
+            return
+        totals = [layer.tracked() for layer in layers]
+        if self.data_parallel_size > 1:
+            packed = torch.cat(
+                [_pack_moments(layer, total, self.root_device) for layer, total in zip(layers, totals, strict=True)]
+            )
+            gathered = [torch.empty_like(packed) for _ in range(self.data_parallel_size)]
+            dist.all_gather(gathered, packed, group=self._dp_group)
+            rows = torch.stack(gathered)
+            merged: list[Moments | None] = []
+            start = 0
+            for layer in layers:
+                channels = layer.num_features
+                part = rows[:, start : start + 1 + 2 * channels]
+                count, mean, m2 = part[:, 0], part[:, 1 : 1 + channels], part[:, 1 + channels :]
+                merged.append(combine_moments(count, mean, m2) if float(count.sum()) > 0 else None)
+                start += 1 + 2 * channels
+            totals = merged
+        for layer, total in zip(layers, totals, strict=True):
+            if total is None:
+                layer.reset_accumulator()
+            else:
+                layer.commit(total)
 
     def _log_bubble(self, module: pl.LightningModule, bubbles: list[float], batch_size: int) -> None:
         """Each pipeline rank's idle fraction of the step, their mean (progress bar) and the schedule's formula."""
@@ -761,6 +869,14 @@ class _SharedGradients:
             if flag > 0:
                 param.grad = buffer[start : start + size].view(param.shape).to(param.dtype).to(param.device)
             start += size
+
+
+def _pack_moments(layer: DeferredBatchNorm, total: Moments | None, device: torch.device) -> Tensor:
+    """``[count, mean (C), M2 (C)]`` in float64 (zeros for a layer that tracked nothing)."""
+    channels = layer.num_features
+    if total is None:
+        return torch.zeros(1 + 2 * channels, dtype=torch.float64, device=device)
+    return torch.cat([total.count.reshape(1), total.mean, total.m2]).to(device=device, dtype=torch.float64)
 
 
 def _alias(output: Any) -> Any:

@@ -378,6 +378,13 @@ def test_bad_arguments_name_what_was_expected() -> None:
         PipelineStrategy(schedule="GPipe", stages_per_rank=2)
     with raises_exactly(TypeError, "`activation_checkpointing` must be a bool, got 'yes'"):
         PipelineStrategy(activation_checkpointing="yes")  # type: ignore[arg-type]
+    with raises_exactly(
+        ValueError,
+        "strategy='pipeline' builds no DistributedDataParallel (the schedule runs the stages; gradients are averaged"
+        " over the data-parallel group explicitly), so `find_unused_parameters`, `ddp_comm_hook` would do nothing:"
+        " remove them",
+    ):
+        PipelineStrategy(find_unused_parameters=True, static_graph=None, ddp_comm_hook=print)
 
 
 def test_a_schedule_the_installed_torch_lacks_names_the_release_that_adds_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -484,3 +491,27 @@ def test_a_killed_rank_is_named_by_the_rank_that_lost_it(monkeypatch: pytest.Mon
         r" The backend said: ",
         report,
     ), report
+
+
+# ---- a last batch that chunks does not divide: named before the first step ------------------------------------------
+def _short_last_batch_rank(rank: int, world_size: int) -> str:
+    trainer = quiet_trainer(PipelineStrategy(schedule="GPipe", chunks=4), world_size, max_epochs=1)
+    model = PipelinedRegressor()
+    try:
+        trainer.fit(model, DataLoader(_data(26), batch_size=8))
+    except ValueError as error:
+        return f"{error} (after {trainer.global_step} steps)"
+    return "trained"
+
+
+@pytest.mark.slow
+def test_a_last_batch_that_chunks_does_not_divide_is_named_before_the_first_step() -> None:
+    assert (
+        run_distributed(_short_last_batch_rank, 2, timeout_s=120)
+        == [
+            "strategy='pipeline' splits each batch into `chunks`=4 equal micro-batches, but the last training batch of"
+            " each epoch would have 2 samples (26 samples per data-parallel rank in batches of 8): set `drop_last=True`"
+            " on the DataLoader, or choose sizes that leave a multiple of 4 (after 0 steps)"
+        ]
+        * 2
+    )

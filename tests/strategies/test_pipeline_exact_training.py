@@ -161,3 +161,93 @@ def test_accumulation_and_loss_parameters_with_two_pipelines_equal_one_process_o
     results = run_distributed(_fit_rank, 4, [run], timeout_s=600)
     reference = _reference("loss_parameters", batch_size=4, shards=2, accumulate=2, clip=0.05)
     _assert_trained_as([rank[0] for rank in results], reference)
+
+
+# ---- BatchNorm as GPipe defines it -----------------------------------------------------------------------------------
+class _WithBatchNorm(PipelinedRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.sequential_module = nn.Sequential(
+            nn.Linear(5, 16),
+            nn.BatchNorm1d(16),
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.BatchNorm1d(16),
+            nn.Tanh(),
+            nn.Linear(16, 3),
+        ).double()
+
+
+def _batchnorm_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[Any]:
+    results = []
+    for run in runs:
+        model = _WithBatchNorm()
+        trainer = quiet_trainer(PipelineStrategy(**run["strategy"]), world_size, max_steps=3)
+        trainer.fit(model, DataLoader(_data(SAMPLES), batch_size=run["batch_size"], shuffle=False))
+        results.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        assert type(model.sequential_module[1]) is nn.BatchNorm1d  # the user's layers come back after fit
+    return results
+
+
+def _batchnorm_reference(batch_size: int, shards: int, chunks: int, steps: int = 3) -> dict[str, torch.Tensor]:
+    """One process: each micro-batch normalized on its own (GPipe), the loss the mean over the global batch's
+    micro-batches, running statistics updated once per step from all of them (gpipe's DeferredBatchNorm)."""
+    from lightning_balanced.pipeline import DeferredBatchNorm
+
+    model = _WithBatchNorm()
+    DeferredBatchNorm.convert_deferred_batch_norm(model.sequential_module)
+    layers = [m for m in model.modules() if isinstance(m, DeferredBatchNorm)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    data = _data(SAMPLES)
+    x, y = data[:]
+    for step in range(steps):
+        orders = []
+        for shard in range(shards):
+            sampler = DistributedSampler(
+                data, num_replicas=shards, rank=shard, shuffle=True, seed=lightning_sampler_seed()
+            )
+            sampler.set_epoch(0)
+            orders.append(list(sampler)[step * batch_size : (step + 1) * batch_size])
+        optimizer.zero_grad()
+        loss = torch.zeros((), dtype=torch.float64)
+        for order in orders:
+            for micro in torch.tensor(order).chunk(chunks):
+                loss = loss + F.mse_loss(model.sequential_module(x[micro]), y[micro]) / (chunks * shards)
+        for layer in layers:
+            layer.commit()
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_batchnorm_normalizes_each_micro_batch_and_tracks_the_whole_batch_once_per_step() -> None:
+    zero_bubble = "ZBVZeroBubble" if SCHEDULES["ZBVZeroBubble"].available() else "GPipe"
+    runs = [
+        {"strategy": {"schedule": "GPipe", "chunks": 4, "activation_checkpointing": True}, "batch_size": 8},
+        {"strategy": {"schedule": zero_bubble, "chunks": 2}, "batch_size": 8},
+    ]
+    results = run_distributed(_batchnorm_rank, 2, runs, timeout_s=600)
+    expected = [_batchnorm_reference(8, 1, 4), _batchnorm_reference(8, 1, 2)]
+    for index, reference in enumerate(expected):
+        for rank in range(2):
+            for name, value in reference.items():
+                torch.testing.assert_close(
+                    results[rank][index][name],
+                    value,
+                    **EXACT,
+                    msg=lambda m, name=name, run=runs[index]: f"{run} {name}: {m}",
+                )
+        assert int(results[0][index]["sequential_module.1.num_batches_tracked"]) == 3  # once per step
+
+
+@pytest.mark.slow
+def test_batchnorm_running_statistics_merge_the_data_parallel_replicas() -> None:
+    schedule = "1F1B" if SCHEDULES["1F1B"].available() else "GPipe"
+    run = {"strategy": {"schedule": schedule, "chunks": 2, "pipeline_parallel_size": 2}, "batch_size": 4}
+    results = run_distributed(_batchnorm_rank, 4, [run], timeout_s=600)
+    reference = _batchnorm_reference(4, 2, 2)
+    for rank in range(4):
+        for name, value in reference.items():
+            torch.testing.assert_close(results[rank][0][name], value, **EXACT, msg=lambda m, name=name: f"{name}: {m}")
