@@ -9,11 +9,11 @@ balanced_dp``, ``strategy: ddp_lr_sqrt`` or the ``class_path``/``init_args`` for
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import os
 import re
 import sys
-import types
 from typing import Any, NoReturn
 
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -86,7 +86,29 @@ def _close_arguments(message: str) -> str:
     return f"\n{class_name} takes no {option!r}: did you mean {' or '.join(repr(c) for c in close)}?"
 
 
-def _concise_error(parser: LightningArgumentParser, message: str, ex: Exception | None = None) -> NoReturn:
+# jsonargparse's words for a class_path whose module does not import.
+_NO_MODULE = re.compile(r"class_path '(?P<path>[\w.]+)':\s*No module named '(?P<module>[\w.]+)'")
+
+
+def _import_hint(message: str, launch_dir: str) -> str:
+    """Where a ``class_path`` is imported from, for one whose top-level module is not found.
+
+    ``launch_dir`` is the directory the command ran in (jsonargparse parses a config from the config's own folder).
+    """
+    found = _NO_MODULE.search(message)
+    if found is None or not found["path"].startswith(found["module"]):
+        return ""
+    top = found["module"].partition(".")[0]
+    return (
+        f"\n{found['path']!r} is imported from the directory the command ran in ({launch_dir}) and PYTHONPATH, not"
+        f" from the config file's folder: run from the directory that holds the `{top}` package (for this repository's"
+        " examples, the repository root), or add that directory to PYTHONPATH"
+    )
+
+
+def _concise_error(
+    parser: LightningArgumentParser, message: str, ex: Exception | None = None, *, launch_dir: str = ""
+) -> NoReturn:
     """A parser error as jsonargparse words it, without its usage block (50 lines for ``fit``).
 
     The message, a suggestion for a misspelt argument, and where the options are listed; with ``exit_on_error`` off
@@ -95,7 +117,8 @@ def _concise_error(parser: LightningArgumentParser, message: str, ex: Exception 
     if not parser.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
         LightningArgumentParser.error(parser, message, ex)
     prog = (getattr(ex, "subcommand_parser", None) or parser).prog.replace(" [options]", "")
-    sys.stderr.write(f"error: {message}{_close_arguments(message)}\ntip: `{prog} --help` lists every option\n")
+    hints = _close_arguments(message) + _import_hint(message, launch_dir or os.getcwd())
+    sys.stderr.write(f"error: {message}{hints}\ntip: `{prog} --help` lists every option\n")
     parser.exit(2)
 
 
@@ -139,7 +162,7 @@ class LightningBalancedCLI(LightningCLI):
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         """Lightning's parser, whose errors leave out the usage block (see :func:`_concise_error`)."""
         parser = super().init_parser(**kwargs)
-        parser.error = types.MethodType(_concise_error, parser)  # type: ignore[method-assign]
+        parser.error = functools.partial(_concise_error, parser, launch_dir=os.getcwd())  # type: ignore[method-assign]
         return parser
 
     @override

@@ -165,6 +165,24 @@ def test_a_misspelt_strategy_argument_gets_a_suggestion_and_no_usage_block(
     assert len(lines) < 15, err
 
 
+def test_a_class_path_module_not_found_says_where_class_paths_are_imported_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "configs" / "job.yaml"
+    config.parent.mkdir()
+    config.write_text("model:\n  class_path: my_project_examples.jobs.Model\ntrainer:\n  logger: false\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        LightningBalancedCLI(args=["fit", "--config", str(config)])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-2] == (
+        f"'my_project_examples.jobs.Model' is imported from the directory the command ran in ({tmp_path}) and"
+        " PYTHONPATH, not from the config file's folder: run from the directory that holds the `my_project_examples`"
+        " package (for this repository's examples, the repository root), or add that directory to PYTHONPATH"
+    ), lines
+
+
 def test_the_strategy_help_lists_the_split_policies(capsys: pytest.CaptureFixture[str]) -> None:
     text = _help(
         capsys,

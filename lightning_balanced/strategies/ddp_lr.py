@@ -159,6 +159,13 @@ class LRScaledDDP(RegisteredStrategy, _StrategyBase):
                     " scales the betas and eps.",
                     category=PossibleUserWarning,
                 )
+        for index, optimizer in enumerate(self.optimizers):
+            if any("lr" not in group for group in optimizer.param_groups):
+                raise ValueError(
+                    f"strategy='{self.strategy_name}_{self.lr_scaling}' scales each param group's learning rate, but"
+                    f" optimizer {index} ({type(optimizer).__name__}) has a param group without an 'lr' key: give"
+                    " every param group an `lr`, or use strategy='ddp' with an optimizer that sets its own step size"
+                )
         found_at = getattr(module, _LR_FOUND_AT_FACTOR, None)
         ratios = []
         for index, optimizer in enumerate(self.optimizers):

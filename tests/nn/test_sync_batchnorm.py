@@ -328,6 +328,7 @@ def test_two_ranks_uneven_batches_match_full_batch_batchnorm(case: Case, per_ran
     _assert_matches_reference(case, [r["two_rank"][case.id] for r in per_rank[:2]])
 
 
+@pytest.mark.slow  # its per_rank fixture spawns the ranks
 def test_one_value_per_channel_over_group_raises_on_every_rank(per_rank: list[dict]) -> None:
     for rank_result in per_rank[:2]:
         assert set(rank_result["too_small_errors"]) == {case.id for case in _TOO_SMALL_CASES}

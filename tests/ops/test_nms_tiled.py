@@ -188,6 +188,7 @@ def test_a_chain_of_suppressions_takes_rounds_and_gives_the_greedy_answer() -> N
         assert torch.equal(_tiled_single(boxes, scores, None, 0.3, 0, tile_rows, warps), expected)
 
 
+@pytest.mark.slow  # 100k boxes through the CPU emulation: 2-3 s each
 @pytest.mark.parametrize("layout", ["uniform", "few_large"])
 @pytest.mark.parametrize("by_class", [False, True], ids=["nms", "batched"])
 def test_the_gpu_schedule_at_100k_boxes_is_wide_and_shallow(layout: str, by_class: bool) -> None:
@@ -217,6 +218,7 @@ def test_the_gpu_schedule_at_100k_boxes_is_wide_and_shallow(layout: str, by_clas
     assert int(depth.sum()) < 150_000
 
 
+@pytest.mark.slow  # 150 examples through the CPU emulation: about 11 s
 @settings(HYPOTHESIS, max_examples=150)
 @given(
     data=box_sets(max_n=200),
@@ -237,6 +239,7 @@ def test_batched_nms_as_class_chains_matches_the_reference(data, iou_threshold, 
     assert torch.equal(keep, expected)
 
 
+@pytest.mark.slow
 def test_batched_nms_runs_its_classes_side_by_side_and_falls_back_to_one_chain_when_one_class_dominates() -> None:
     """100,000 boxes of 80 classes: 2 tiles of the largest class instead of 98 of all boxes. When one class holds
     90 % of the boxes, the padded rows would take 72x the memory: one chain, the class ids pruning."""

@@ -250,6 +250,7 @@ class UnscaledOnResume(Net):
 # order, up to the factor's exact power-of-two multiplication.
 # Under balanced_dp the strategy checks; under Lightning's single-device strategy the explicit LRScaleFactorCheck does
 # (added under balanced_dp too, it stays quiet: one warning, not two).
+@pytest.mark.slow  # its fixture trains on 2 spawned ranks
 @pytest.mark.parametrize("strategy", ["single_device", "balanced_dp", "balanced_dp+callback"])
 def test_resume_under_a_strategy_that_ignores_the_factor_warns_once_and_can_be_undone(
     strategy: str, two_rank_resume: tuple[list[dict[str, Any]], Path]
@@ -387,3 +388,37 @@ def test_script_launchers_scale_the_lr(launcher: str, tmp_path: Path) -> None:
 def test_bad_arguments_raise_naming_them(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         LRScaledDDPStrategy(**kwargs)
+
+
+# ---- an optimizer without a learning rate: named before the first step ---------------------------------------------
+class _NoLearningRate(torch.optim.Optimizer):
+    """An optimizer whose param groups have no `lr` (it sets its own step size)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> Any:
+        return closure() if closure is not None else None
+
+
+class _NoLearningRateNet(Net):
+    def configure_optimizers(self) -> Any:
+        return _NoLearningRate(self.parameters())
+
+
+def _no_lr_rank(rank: int, world_size: int) -> str:
+    trainer = _trainer(world_size, max_steps=1)
+    try:
+        trainer.fit(_NoLearningRateNet(), DataLoader(_data(), batch_size=4))
+    except ValueError as error:
+        return f"{error} (after {trainer.global_step} steps)"
+    return "trained"
+
+
+@pytest.mark.slow
+def test_an_optimizer_without_a_learning_rate_is_named_before_the_first_step() -> None:
+    assert run_distributed(_no_lr_rank, 1) == [
+        "strategy='ddp_lr_linear' scales each param group's learning rate, but optimizer 0 (_NoLearningRate) has a"
+        " param group without an 'lr' key: give every param group an `lr`, or use strategy='ddp' with an optimizer"
+        " that sets its own step size (after 0 steps)"
+    ]
