@@ -3,7 +3,9 @@
 // or batched_nms (cpu/nms_kernel.cpp), whose kept indices are mapped back and truncated to max_output. So
 // each image's result is exactly batched_nms on its boxes, as on CUDA.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -35,8 +37,8 @@ std::tuple<at::Tensor, at::Tensor> batched_nms_padded_cpu(const at::Tensor& boxe
   for (int64_t b = 0; b < batch; ++b) {
     const at::Tensor image_scores = scores[b];
     const at::Tensor real = image_scores.isneginf().logical_not();
-    const bool finite = (image_scores.isfinite() | real.logical_not()).all().item<bool>() &&
-                        (boxes[b].isfinite().all(1) | real.logical_not()).all().item<bool>();
+    const bool finite = image_scores.isfinite().logical_or(real.logical_not()).all().item<bool>() &&
+                        boxes[b].isfinite().all(1).logical_or(real.logical_not()).all().item<bool>();
     if (!finite) {
       counts[b] = -1;
       continue;
