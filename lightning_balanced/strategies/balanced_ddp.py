@@ -28,6 +28,7 @@ from lightning_balanced.data_parallel.split_policy import SplitPolicy, even_spli
 from lightning_balanced.evaluation.mixin import BATCH_INDICES
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
 from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
@@ -130,7 +131,7 @@ class _StepTimer:
         return seconds, self._done_peak
 
 
-class BalancedDDP(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
+class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
     """The implementation of :class:`BalancedDDPStrategy`, free of a Lightning base class.
 
     Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`BalancedDDPStrategy`; combined with the

@@ -28,6 +28,7 @@ from lightning_balanced.lr_scaling import (
 )
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
 from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
@@ -54,7 +55,7 @@ else:
     _StrategyBase = object
 
 
-class LRScaledDDP(RegisteredStrategy, _StrategyBase):
+class LRScaledDDP(PeerFailureReporting, RegisteredStrategy, _StrategyBase):
     """The implementation of :class:`LRScaledDDPStrategy`, free of a Lightning base class.
 
     Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`LRScaledDDPStrategy`; combined with the

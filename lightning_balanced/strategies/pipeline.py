@@ -40,6 +40,7 @@ from lightning_balanced.pipeline.stage_plan import (
 )
 from lightning_balanced.pipeline.stop_notices import StopNotices
 from lightning_balanced.progress_log import counted, rank_zero_report
+from lightning_balanced.strategies.peer_failure import PeerFailureReporting, PeerStopped, is_lost_connection
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
@@ -128,7 +129,7 @@ class _PipelinedSequential(nn.Sequential):
         return original
 
 
-class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy):
+class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy):
     """Pipeline parallelism across processes and machines: an ``nn.Sequential`` cut into stages, one process each.
 
     A multi-process strategy launched like DDP (Lightning's subprocess and spawn launchers, ``torchrun``, SLURM;
@@ -213,8 +214,10 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
             setup, a world size that ``pipeline_parallel_size`` does not divide, a missing ``nn.Sequential``, a
             ``balance`` that does not cover its layers, fewer layers than stages, manual optimization,
             ``sync_batchnorm=True``, or no ``compute_loss``; in a step, a batch size that ``chunks`` does not divide.
-        RuntimeError: in a step or a forward pass, when another rank of the pipeline stopped (an error there, or
-            killed): the backend's broken connection, said for what it is, instead of a hang.
+        PeerStopped: (a ``RuntimeError``) in a step or a forward pass, when another rank of the pipeline stopped (an
+            error there, or killed): the backend's broken connection, said for what it is, instead of a hang; the
+            process then ends with that one line, not a traceback
+            (:mod:`~lightning_balanced.strategies.peer_failure`).
 
     Source: ``torch.distributed.pipelining`` (PyTorch 2.4+): ``PipelineStage`` and its schedules; GPipe (Huang et
     al., NeurIPS 2019), 1F1B (PipeDream-Flush, Narayanan et al., 2021), zero-bubble schedules (Qi et al., ICLR 2024);
@@ -746,19 +749,14 @@ class PipelineStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, DDPStrategy
             yield
         except Exception as error:
             text = str(error)
-            lost = isinstance(error, RuntimeError) and (
-                isinstance(error, getattr(dist, "DistBackendError", ()))
-                or any(
-                    sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-                )
-            )
+            lost = is_lost_connection(error)
             notices = self._stop_notices
             if notices is not None:
                 notices.report(error, lost=lost)
             if not lost:
                 raise
             cause = "another rank stopped" if notices is None else notices.who_stopped(range(self.world_size))
-            raise RuntimeError(
+            raise PeerStopped(
                 f"strategy='pipeline': rank {self.global_rank} lost its connection to another rank in {what}: {cause}"
                 f" (its traceback is in that process's output). The backend said:"
                 f" {text.splitlines()[0] if text else type(error).__name__}"

@@ -444,7 +444,7 @@ def test_a_stage_that_returns_a_tuple_is_named_and_its_peers_name_its_rank() -> 
     # error, not a hang, and the strategy names the rank that stopped and its error, read from the store.
     for rank, result in ((0, first), (2, third)):
         assert result.startswith(
-            f"RuntimeError: strategy='pipeline': rank {rank} lost its connection to another rank in a training step:"
+            f"PeerStopped: strategy='pipeline': rank {rank} lost its connection to another rank in a training step:"
             f" rank 1 stopped on {second} (its traceback is in that process's output). The backend said: "
         ), result
 
@@ -485,7 +485,7 @@ def test_a_killed_rank_is_named_by_the_rank_that_lost_it(monkeypatch: pytest.Mon
     assert "--- rank 1 ---\nexited without a result (exit code " in report, report  # -9, or None if read before exit
     pid_and_host = r"\(process \d+ on host " + re.escape(socket.gethostname()) + r"\)"
     assert re.search(
-        r"RuntimeError: strategy='pipeline': rank 0 lost its connection to another rank in a training step: rank 1 "
+        r"PeerStopped: strategy='pipeline': rank 0 lost its connection to another rank in a training step: rank 1 "
         + pid_and_host
         + r" no longer runs and reported no error: it was killed \(its traceback is in that process's output\)\."
         r" The backend said: ",

@@ -1,0 +1,42 @@
+"""One traceback per failure of a 2-process run: the failing rank prints its own, the other one line naming it.
+
+The job (tests/strategies/failing_job.py) runs as a user runs it, ``python failing_job.py <strategy>``: Lightning's
+script launcher starts rank 1, both processes print to the same stderr, and rank 1 raises in its second step.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).with_name("failing_job.py")
+
+# What rank 0 prints instead of a traceback, up to the backend's own words.
+LOST = {
+    "ddp_lr_linear": "rank 0 stopped: it lost its connection to another rank; rank 1 stopped on ValueError: a mistake"
+    " on rank 1 (the backend said: ",
+    "balanced_ddp": "rank 0 stopped: it lost its connection to another rank; rank 1 stopped on ValueError: a mistake"
+    " on rank 1 (the backend said: ",
+    "pipeline": "PeerStopped: strategy='pipeline': rank 0 lost its connection to another rank in a training step:"
+    " rank 1 stopped on ValueError: a mistake on rank 1 (its traceback is in that process's output). The backend"
+    " said: ",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(LOST))
+def test_a_failing_rank_prints_the_one_traceback_and_the_other_rank_one_line(strategy: str, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("LOCAL_RANK", None)  # the launcher starts rank 1 itself
+    done = subprocess.run(
+        [sys.executable, str(JOB), strategy], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert output.count("Traceback (most recent call last)") == 1, output[-6000:]
+    assert "ValueError: a mistake on rank 1" in output, output[-3000:]
+    assert any(line.startswith(LOST[strategy]) for line in output.splitlines()), output[-3000:]
