@@ -8,6 +8,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +32,12 @@ from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_for
 from lightning_balanced.pipeline.pipe import validate_balance
 from lightning_balanced.pipeline.recompute import recomputing
 from lightning_balanced.pipeline.sequential import find_sequential
+from lightning_balanced.pipeline.sharded_checkpoint import (
+    flat_optimizer_state,
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from lightning_balanced.pipeline.stage_plan import (
     ScheduleSpec,
     cut_sequential,
@@ -61,6 +68,17 @@ _PROCESS_ARGUMENTS = frozenset(
         "start_method",
     }
 )
+
+
+def _ddp_defaults() -> dict[str, Any]:
+    """The default of each option of Lightning's ``DDPStrategy`` and torch's ``DistributedDataParallel``."""
+    defaults: dict[str, Any] = {}
+    for function in (DDPStrategy.__init__, torch.nn.parallel.DistributedDataParallel.__init__):
+        for name, parameter in inspect.signature(function).parameters.items():
+            if parameter.default is not parameter.empty:
+                defaults[name] = parameter.default
+    return defaults
+
 
 #: The LightningModule hook the last stage calls on each micro-batch.
 LOSS_HOOK = "compute_loss"
@@ -158,10 +176,15 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
     handed over in ``backward``). Trainable parameters outside the ``nn.Sequential`` (a head or a loss weight used in
     ``compute_loss``) train as well: every rank keeps a copy, the last stage computes their gradients, and the step
     shares them over the pipeline and averages them over the data-parallel group. Gradient clipping by norm uses the
-    global norm over all stages and those parameters. Checkpoints hold the whole model in the plain
-    ``nn.Sequential`` layout (each stage's weights are sent to every rank before saving) and the optimizer states of
-    every stage, so they load under any strategy and any ``balance``; after ``fit`` every rank holds the whole trained
-    model.
+    global norm over all stages and those parameters. Checkpoints are sharded by default
+    (``save_distributed_checkpoint=True``, as Lightning's ``ModelParallelStrategy``): a directory in the format of
+    ``torch.distributed.checkpoint`` where each rank writes its own stages' weights and optimizer states, by their
+    plain ``nn.Sequential`` names (:mod:`~lightning_balanced.pipeline.sharded_checkpoint`), so no rank gathers the
+    model to save it, and a checkpoint loads under any ``pipeline_parallel_size``, ``balance`` or schedule;
+    :func:`~lightning_balanced.pipeline.sharded_checkpoint.consolidate_checkpoint` makes one file of it for ``gpipe``,
+    ``ddp`` or a plain module. With ``save_distributed_checkpoint=False`` a checkpoint is one file with the whole model
+    (each stage's weights sent to every rank, the optimizer states gathered). After ``fit`` every rank holds the whole
+    trained model (every rank builds the whole model in host memory: not yet from the meta device).
 
     Mixed precision: under ``bf16-mixed``/``16-mixed`` the stages run in autocast and exchange activations in its
     dtype; under ``16-mixed`` the schedule's backward runs on the ``GradScaler``-scaled loss, and an inf or NaN found on
@@ -201,6 +224,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             normalized on its own (GPipe), and the running statistics and ``num_batches_tracked`` are updated once
             per step from all micro-batches of the global batch (the data-parallel replicas' merged), as the
             unpipelined model would from the whole batch.
+        save_distributed_checkpoint: save sharded checkpoints (a directory, each rank its part) rather than one file.
         **kwargs: the process group's and plugins' arguments of :class:`~lightning.pytorch.strategies.DDPStrategy`
             (``process_group_backend``, ``timeout``, ``start_method``, ``cluster_environment``, ``checkpoint_io``,
             ``precision_plugin``, ...); its DDP options (``find_unused_parameters``, ``ddp_comm_hook``,
@@ -237,9 +261,17 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         module_name: str = "sequential_module",
         log_bubble: bool = True,
         deferred_batch_norm: bool = True,
+        save_distributed_checkpoint: bool = True,
         **kwargs: Any,
     ) -> None:
-        ignored = [name for name, value in kwargs.items() if name not in _PROCESS_ARGUMENTS and value is not None]
+        defaults = _ddp_defaults()  # what LightningCLI fills in for every DDP option: not a choice of the user's
+        ignored = [
+            name
+            for name, value in kwargs.items()
+            if name not in _PROCESS_ARGUMENTS
+            and (name not in defaults or value != defaults[name])
+            and value is not None
+        ]
         if ignored:
             raise ValueError(
                 "strategy='pipeline' builds no DistributedDataParallel (the schedule runs the stages; gradients are"
@@ -248,6 +280,8 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             )
         super().__init__(**kwargs)
         self.deferred_batch_norm = check_bool("deferred_batch_norm", deferred_batch_norm)
+        self.save_distributed_checkpoint = check_bool("save_distributed_checkpoint", save_distributed_checkpoint)
+        self._loaded_sharded = False
         if schedule is None:
             schedule = "1F1B" if schedule_spec("1F1B").available() else "GPipe"
         self.schedule: ScheduleSpec = schedule_spec(schedule)
@@ -797,15 +831,60 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                             tensor.copy_(moved)
             start += size
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # a sharded checkpoint loads into the stages, which setup builds
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._loaded_sharded  # load_checkpoint already restored a sharded checkpoint's optimizer states
+
+    def _owned_state_names(self) -> set[str]:
+        """The ``state_dict`` names this rank saves in a sharded checkpoint: its stages' and what is outside them.
+
+        After ``fit`` (no stages any more) every rank holds the whole trained model (:meth:`on_train_end`), so each
+        saves every name and DCP writes each once.
+        """
+        module = self.lightning_module
+        assert module is not None
+        if not self._stages:
+            return set(module.state_dict())
+        layers: set[int] = set()
+        start = 0
+        for stage, size in enumerate(self._balance):
+            if stage in self._stages:
+                layers.update(range(start, start + size))
+            start += size
+        prefix = f"{self.module_name}."
+        return {
+            name
+            for name in module.state_dict()
+            if not name.startswith(prefix) or int(name[len(prefix) :].partition(".")[0]) in layers
+        }
+
+    def _parameter_names(self) -> dict[int, str]:
+        module = self.lightning_module
+        assert module is not None
+        return {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model: every stage's weights, from the ranks that train them."""
+        """Sharded: this rank's stages and the parameters outside them. Else the whole model, every stage's weights
+        from the rank that trains it."""
+        if self.save_distributed_checkpoint:
+            owned = self._owned_state_names()
+            return {k: v for k, v in super().lightning_module_state_dict().items() if k in owned}
         self._share_stages()
         return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state for every stage's parameters, gathered from the ranks of the pipeline."""
+        """Sharded: this rank's parameters' state by name (:func:`flat_optimizer_state`). Else every stage's
+        parameters' state, gathered from the ranks of the pipeline."""
+        if self.save_distributed_checkpoint:  # a rank holds the state of its stages' and the shared parameters only
+            return flat_optimizer_state(optimizer, self._parameter_names(), {id(p) for p in optimizer.state})
         state = super().optimizer_state(optimizer)
         if self._pp_group is None or not dist.is_initialized():
             return state
@@ -817,6 +896,50 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         for part in gathered:
             merged.update(part or {})
         return {**state, "state": merged}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        """Sharded (``save_distributed_checkpoint=True``): a directory at ``filepath``, each rank writing its part
+        (:func:`~lightning_balanced.pipeline.sharded_checkpoint.save_sharded_checkpoint`). Else one file from rank 0."""
+        if not self.save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(
+                "`PipelineStrategy.save_checkpoint(..., storage_options=...)` is not supported with"
+                " `save_distributed_checkpoint=True`: the shards are written by torch.distributed.checkpoint"
+            )
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero and path.is_file():
+            path.unlink()  # a full checkpoint of an earlier run under the same name
+        self.barrier("pipeline.save_checkpoint")
+        with self._naming_a_lost_peer("saving a checkpoint"):
+            save_sharded_checkpoint(path, checkpoint, self.global_rank)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """A sharded checkpoint: this rank's stages' weights and optimizer states, loaded here (any pipeline size,
+        balance or schedule can have written it). A file: Lightning's checkpoint, loaded as usual."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        self._loaded_sharded = is_sharded_checkpoint(path)
+        if not self._loaded_sharded:
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        owned = self._owned_state_names()
+        tensors = {name: tensor for name, tensor in module.state_dict().items() if name in owned}
+        names = self._parameter_names()
+        own = {id(p) for p in [*self._own_parameters(), *self._loss_parameters]}
+        optimizers = [(optimizer, {i: n for i, n in names.items() if i in own}) for optimizer in self.optimizers]
+        with self._naming_a_lost_peer("loading a checkpoint"):
+            return load_sharded_checkpoint(path, tensors, optimizers)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._loaded_sharded:  # a sharded checkpoint's weights were loaded by load_checkpoint
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -25,6 +25,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import tests.distributed
 from lightning_balanced import DistributedEvalMixin, GPipeStrategy, LRScaledPipelineStrategy, PipelineStrategy
+from lightning_balanced.pipeline.sharded_checkpoint import (
+    METADATA_FILENAME,
+    consolidate_checkpoint,
+    is_sharded_checkpoint,
+)
 from lightning_balanced.pipeline.stage_plan import SCHEDULES, stage_indices, stage_owners
 from lightning_balanced.strategies.pipeline import _Stage
 from tests.distributed import DistributedRankError, lightning_sampler_seed, run_distributed
@@ -264,7 +269,9 @@ def _check_checkpoint_and_evaluation(ranks: list[dict[str, Any]], checkpoint: Pa
     # The checkpoint (after one epoch) holds the whole model in the plain layout: it loads into the unpipelined module.
     steps = ranks[0]["steps"]  # two epochs
     expected_state, _ = _reference(steps // 2, shards=shards)
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    assert is_sharded_checkpoint(checkpoint)  # a directory of shards; one file after consolidation
+    consolidate_checkpoint(checkpoint, checkpoint.with_name("consolidated.ckpt"))
+    saved = torch.load(checkpoint.with_name("consolidated.ckpt"), map_location="cpu", weights_only=False)
     plain = PipelinedRegressor()
     plain.load_state_dict(saved["state_dict"])
     for name, value in plain.state_dict().items():
@@ -310,7 +317,11 @@ def test_two_pipelines_of_two_ranks_equal_one_process_on_the_global_batch(tmp_pa
 # ---- a checkpoint moves between pipeline sizes and to gpipe and back ----------------------------------------------
 def _one_epoch_rank(rank: int, world_size: int, resume: str | None, save: str, strategy: dict[str, Any]) -> Any:
     model = PipelinedRegressor()
-    epochs = 1 if resume is None else int(torch.load(resume, weights_only=False)["epoch"]) + 1  # one more
+    if resume is None:
+        epochs = 1
+    else:  # one more epoch than the checkpoint holds
+        meta = Path(resume) / METADATA_FILENAME if Path(resume).is_dir() else Path(resume)
+        epochs = int(torch.load(meta, weights_only=False)["epoch"]) + 1
     trainer = quiet_trainer(PipelineStrategy(**strategy), world_size, max_epochs=epochs)
     trainer.fit(model, DataLoader(_data(8), batch_size=8), ckpt_path=resume)
     trainer.save_checkpoint(save)
@@ -318,19 +329,23 @@ def _one_epoch_rank(rank: int, world_size: int, resume: str | None, save: str, s
 
 
 @pytest.mark.slow
-def test_a_checkpoint_goes_from_two_stages_to_gpipe_to_four_stages_and_trains_on(tmp_path: Path) -> None:
+def test_a_sharded_checkpoint_reshards_from_two_stages_to_four_then_consolidates_for_gpipe(tmp_path: Path) -> None:
     # One batch of all 8 samples per epoch, so the order of the samples does not matter: SGD with momentum, 3 steps,
-    # saved and resumed at every step: 2 pipeline ranks, then gpipe in one process (2 CPU partitions, its own cut),
-    # then 4 pipeline ranks; momentum buffers travel with the weights.
-    first, second, third = (str(tmp_path / f"{name}.ckpt") for name in ("p2", "gpipe", "p4"))
+    # saved and resumed at every step: 2 pipeline ranks (sharded: each rank writes its stages), then 4 ranks with
+    # another schedule and balance (each reads its own stages' names: DCP reshards), then consolidated into one file
+    # that gpipe in one process resumes (2 CPU partitions, its own cut); momentum buffers travel with the weights.
+    first, second, third = (str(tmp_path / name) for name in ("p2.ckpt", "p4.ckpt", "gpipe.ckpt"))
     run_distributed(_one_epoch_rank, 2, None, first, {"schedule": ONE_F_ONE_B, "chunks": 2}, timeout_s=300)
-    model = PipelinedRegressor()
-    gpipe = quiet_trainer(GPipeStrategy(balance=[4, 2], chunks=2), 2, max_epochs=2, accelerator="cpu")
-    gpipe.fit(model, DataLoader(_data(8), batch_size=8), ckpt_path=first)
-    gpipe.save_checkpoint(second)
-    ranks = run_distributed(
-        _one_epoch_rank, 4, second, third, {"schedule": "GPipe", "chunks": 2, "balance": [2, 1, 2, 1]}, timeout_s=300
+    assert is_sharded_checkpoint(first)
+    run_distributed(
+        _one_epoch_rank, 4, first, second, {"schedule": "GPipe", "chunks": 2, "balance": [2, 1, 2, 1]}, timeout_s=300
     )
+    consolidated = str(tmp_path / "p4_consolidated.ckpt")
+    consolidate_checkpoint(second, consolidated)
+    model = PipelinedRegressor()
+    gpipe = quiet_trainer(GPipeStrategy(balance=[4, 2], chunks=2), 2, max_epochs=3, accelerator="cpu")
+    gpipe.fit(model, DataLoader(_data(8), batch_size=8), ckpt_path=consolidated)
+    gpipe.save_checkpoint(third)
     reference = PipelinedRegressor()
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
     x, y = _data(8)[:]
@@ -338,11 +353,50 @@ def test_a_checkpoint_goes_from_two_stages_to_gpipe_to_four_stages_and_trains_on
         optimizer.zero_grad()
         F.mse_loss(reference.sequential_module(x), y).backward()
         optimizer.step()
-    for state in ranks:
-        for name, value in reference.state_dict().items():
-            torch.testing.assert_close(state[name], value, **EXACT, msg=name)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, **EXACT, msg=name)
     plain = PipelinedRegressor()
-    plain.load_state_dict(torch.load(third, weights_only=False)["state_dict"])  # the plain layout, under any p
+    plain.load_state_dict(torch.load(consolidated, weights_only=False)["state_dict"])  # the plain layout
+
+
+class _SavedNames(Callback):
+    """What the strategy hands Lightning's checkpoint as the model's state while training runs."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.names = sorted(trainer.strategy.lightning_module_state_dict())
+
+
+def _saved_names_rank(rank: int, world_size: int, save: str, sharded: bool) -> list[str]:
+    model = PipelinedRegressor()
+    strategy = PipelineStrategy(schedule="GPipe", chunks=2, save_distributed_checkpoint=sharded)
+    names = _SavedNames()
+    trainer = quiet_trainer(strategy, world_size, max_epochs=1, callbacks=[names])
+    trainer.fit(model, DataLoader(_data(8), batch_size=8))
+    trainer.save_checkpoint(save)
+    return names.names
+
+
+@pytest.mark.slow
+def test_each_rank_saves_its_stages_only_unless_asked_for_one_file(tmp_path: Path) -> None:
+    # Layers 0-2 (two Linears) on rank 0, 3-5 (one Linear) on rank 1: a sharded save gathers nothing.
+    names = run_distributed(_saved_names_rank, 2, str(tmp_path / "sharded.ckpt"), True, timeout_s=300)
+    assert names == [
+        [
+            "sequential_module.0.bias",
+            "sequential_module.0.weight",
+            "sequential_module.2.bias",
+            "sequential_module.2.weight",
+        ],
+        ["sequential_module.5.bias", "sequential_module.5.weight"],
+    ]
+    path = tmp_path / "full.ckpt"
+    names = run_distributed(_saved_names_rank, 2, str(path), False, timeout_s=300)
+    assert names[0] == names[1] == sorted(PipelinedRegressor().state_dict())  # every rank gathers every stage
+    assert path.is_file()
+    PipelinedRegressor().load_state_dict(torch.load(path, weights_only=False)["state_dict"])
 
 
 # ---- pure parts: placements and arguments --------------------------------------------------------------------------
