@@ -237,6 +237,10 @@ def test_auto_gives_the_slower_rank_the_smaller_share_on_every_rank_alike() -> N
 
 
 # ---- bad input: a named error on every rank, before any step ------------------------------------------------------
+def _error_ranks(rank: int, world_size: int, cases: list[str]) -> list[str]:
+    return [_error_rank(rank, world_size, case) for case in cases]  # one spawn of the ranks for every case
+
+
 def _error_rank(rank: int, world_size: int, case: str) -> str:
     model = Regressor(batchnorm=case != "batchnorm")
     options: dict[str, Any] = {}
@@ -294,8 +298,9 @@ def test_bad_input_is_named_on_every_rank_before_a_step() -> None:
             " with a dataset that shards itself"
         ),
     }
-    for case, message in cases.items():
-        assert run_distributed(_error_rank, 2, case, timeout_s=120) == [message] * 2, case
+    results = run_distributed(_error_ranks, 2, list(cases), timeout_s=300)
+    for index, (case, message) in enumerate(cases.items()):
+        assert [results[rank][index] for rank in range(2)] == [message] * 2, case
 
 
 # ---- pure parts ------------------------------------------------------------------------------------------------------
