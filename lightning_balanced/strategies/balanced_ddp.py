@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -71,12 +72,8 @@ def _pieces(samples: int, cap: int) -> list[tuple[int, int]]:
 
 
 def _slice(batch: Any, start: int, size: int) -> Any:
+    """Samples ``start .. start + size`` of every tensor of ``batch`` that has a batch dimension."""
     return apply_to_collection(batch, Tensor, lambda t: t[start : start + size] if t.dim() else t)
-
-
-def _cut_to_zero(batch: Any) -> Any:
-    """The batch with every tensor that has a batch dimension cut to 0 samples (a zero share's batch)."""
-    return apply_to_collection(batch, Tensor, lambda t: t[:0] if t.dim() else t)
 
 
 class _StepTimer:
@@ -215,7 +212,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         ):
             self._layer_sync = DeviceSyncBatchNorm(lambda: self.root_device.type)
         assert self.model is not None
-        if self._layer_sync is None:
+        if self._layer_sync is None and trainer.state.fn == TrainerFn.FITTING:  # evaluation uses running statistics
             layers = [name for name, m in self.model.named_modules() if isinstance(m, _BatchNorm)]
             if layers:
                 raise ValueError(
@@ -309,7 +306,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         samples = len(share.indices)
         batch = args[0] if args else kwargs["batch"]
         if samples == 0:  # the sampler yielded one sample for the structure: cut to none
-            batch = _cut_to_zero(batch)
+            batch = _slice(batch, 0, 0)
         try:
             found = infer_batch_size(batch)
         except ValueError:
