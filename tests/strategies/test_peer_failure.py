@@ -37,6 +37,9 @@ def test_a_failing_rank_prints_the_one_traceback_and_the_other_rank_one_line(str
     )
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-3000:]
-    assert output.count("Traceback (most recent call last)") == 1, output[-6000:]
-    assert "ValueError: a mistake on rank 1" in output, output[-3000:]
+    # Rank 1's traceback (Python's own format, or the condensed one some torch releases install): one.
+    assert output.count("Traceback (most recent call last)") <= 1, output[-6000:]
+    assert 'raise ValueError("a mistake on rank 1")' in output, output[-3000:]
+    # Rank 0's one line, and nothing else of its error: the backend's words appear in that line only.
     assert any(line.startswith(LOST[strategy]) for line in output.splitlines()), output[-3000:]
+    assert output.count("Connection closed by peer") == 1, output[-6000:]
