@@ -92,18 +92,12 @@ class _Stage(nn.Module):
     (``stage_backward_input``, the zero-bubble schedules) detaches the stage's outputs in place, which then detached the
     receive buffer of the next micro-batch ("element 0 of tensors does not require grad and does not have a grad_fn").
     A copy, not a view: a view cannot be detached in place. Only such a stage pays for it.
-
-    The last stage also lists the parameters outside the ``nn.Sequential`` (``loss_parameters``: a loss's or a head's,
-    used in ``compute_loss``): torch's zero-bubble schedules compute weight gradients for the stage module's own
-    parameters only (``stage_backward_weight`` over ``submod.parameters()``), so a parameter the stage does not list
-    would get none there.
     """
 
-    def __init__(self, layers: nn.Module, checkpointed: bool, loss_parameters: Sequence[nn.Parameter] = ()) -> None:
+    def __init__(self, layers: nn.Module, checkpointed: bool) -> None:
         super().__init__()
         self.layers = layers
         self.checkpointed = checkpointed
-        self.loss_parameters = nn.ParameterList(loss_parameters)
 
     def forward(self, x: Tensor) -> Any:
         if self.checkpointed:  # the recomputation in backward is marked, so DeferredBatchNorm counts it once
@@ -311,6 +305,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._micro_batch_losses: list[Tensor] = []
         self._loss_weight = 1.0 / self.chunks
         self._loss_parameters: list[nn.Parameter] = []
+        self._loss_parameter_grads: list[Tensor | None] = []
 
     # ---- topology --------------------------------------------------------------------------------------------------
     @property
@@ -446,11 +441,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
         in_sequential = {id(param) for param in sequential.parameters()}
         self._loss_parameters = [param for param in module.parameters() if id(param) not in in_sequential]
-        last = num_stages - 1
-        self._stages = {
-            s: _Stage(stages[s], self.activation_checkpointing, self._loss_parameters if s == last else ())
-            for s in mine
-        }
+        self._stages = {s: _Stage(stages[s], self.activation_checkpointing) for s in mine}
         self._schedules = {}
         self._timer = BusyTimer(self.root_device) if self.log_bubble else None
         self._pipelined = _PipelinedSequential(sequential, self)
@@ -569,8 +560,12 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         deferred = self._deferred_batch_norms()
         for layer in deferred:
             layer.reset_accumulator()
+        self._loss_parameter_grads = [None] * len(shared)
         with self.precision_plugin.train_step_context():
             schedule.step(*step_args, **step_kwargs)
+        for param, grad in zip(shared, self._loss_parameter_grads, strict=True):
+            param.grad = grad  # what _loss took, not what the schedule's backward may have added
+        self._loss_parameter_grads = []
         self._commit_batch_norms(deferred)
         # One all_reduce over the pipeline carries each rank's compute time, the loss (float64 on every rank: only the
         # last stage's rank knows the loss's own dtype), each rank's step time, and the gradients of the parameters
@@ -680,13 +675,23 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         """
         module = self.lightning_module
         assert module is not None
-        # A view of the output: after the input-gradient pass, torch detaches the last stage's output in place, while a
-        # zero-bubble schedule's weight pass still needs what compute_loss saved of it (a head's input).
-        loss: Tensor = getattr(module, LOSS_HOOK)(_alias(output), target) / self.chunks
+        loss: Tensor = getattr(module, LOSS_HOOK)(output, target) / self.chunks
         self._micro_batch_losses.append(loss.detach())
         weighted = loss * (self._loss_weight * self.chunks)  # 1 / chunks and Lightning's 1 / accumulate_grad_batches
         scaler = getattr(self.precision_plugin, "scaler", None)
-        return weighted if scaler is None else scaler.scale(weighted)
+        scaled = weighted if scaler is None else scaler.scale(weighted)
+        # The gradients of the parameters outside the stages (a head's, a loss weight's) are taken here, through the
+        # loss alone: torch's schedules differ in what their backward computes for parameters a stage does not hold
+        # (the zero-bubble ones' weight pass covers the stage's own only, and torch 2.11's InterleavedZeroBubble got
+        # them wrong), so the strategy computes them itself, the same way under every schedule.
+        params = self._shared_parameters()
+        if params and scaled.requires_grad:
+            grads = torch.autograd.grad(scaled, params, retain_graph=True, allow_unused=True)
+            for index, grad in enumerate(grads):
+                if grad is not None:
+                    held = self._loss_parameter_grads[index]
+                    self._loss_parameter_grads[index] = grad if held is None else held + grad
+        return scaled
 
     def _share_found_inf(self, scaler: Any) -> None:
         """Make ``scaler.unscale_`` report an inf or NaN found on any stage to every rank of the pipeline.
@@ -998,15 +1003,6 @@ def _pack_moments(layer: DeferredBatchNorm, total: Moments | None, device: torch
     if total is None:
         return torch.zeros(1 + 2 * channels, dtype=torch.float64, device=device)
     return torch.cat([total.count.reshape(1), total.mean, total.m2]).to(device=device, dtype=torch.float64)
-
-
-def _alias(output: Any) -> Any:
-    """A view of each tensor of ``output``: it keeps its autograd history when torch detaches ``output`` in place."""
-    if isinstance(output, Tensor):
-        return output.view_as(output)
-    if isinstance(output, (tuple, list)) and not hasattr(output, "_fields"):
-        return type(output)(_alias(item) for item in output)
-    return output
 
 
 def _input_and_target(batch: Any) -> tuple[Tensor, Tensor]:
