@@ -441,7 +441,10 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         # [samples | seconds | peak bytes | logged values], one slot per rank in the first three (the others' are 0).
         buffer = torch.zeros(3 * size + len(combined), dtype=torch.float64, device=self.root_device)
         buffer[rank] = samples
-        timed = self._timer.take() if training and self._timer is not None else None
+        # Times only where they are used (each rank decides alike): reading them waits for the device on CUDA.
+        logs = self.log_shares and getattr(module.trainer._logger_connector, "should_update_logs", True)
+        wanted = training and self._timer is not None and (self._split_observes or logs)
+        timed = self._timer.take() if wanted and self._timer is not None else None
         if timed is not None:
             buffer[size + rank] = timed[0]
             buffer[2 * size + rank] = -1 if timed[1] is None else timed[1]
@@ -468,7 +471,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
             self.split.observe(list(self._timed_plan), times, None if None in peaks else peaks)
         # Only on the steps whose logs reach the loggers (every `log_every_n_steps`): a `self.log` call costs about
         # 0.4 ms, and 3 per rank every step cost 20 % of a small step (measured by benchmarks/bench_balanced_ddp.py).
-        if self.log_shares and getattr(module.trainer._logger_connector, "should_update_logs", True):
+        if logs:
             slowest = max(times)
             for r in range(size):
                 module.log(f"balanced_ddp/share_rank{r}", float(self._timed_plan[r]), batch_size=share.global_size)

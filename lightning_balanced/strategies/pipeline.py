@@ -306,6 +306,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._loss_weight = 1.0 / self.chunks
         self._loss_parameters: list[nn.Parameter] = []
         self._loss_parameter_grads: list[Tensor | None] = []
+        self._deferred: list[DeferredBatchNorm] = []  # this rank's stages' DeferredBatchNorm layers, found at setup
 
     # ---- topology --------------------------------------------------------------------------------------------------
     @property
@@ -442,6 +443,9 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         in_sequential = {id(param) for param in sequential.parameters()}
         self._loss_parameters = [param for param in module.parameters() if id(param) not in in_sequential]
         self._stages = {s: _Stage(stages[s], self.activation_checkpointing) for s in mine}
+        self._deferred = [
+            m for _, stage in sorted(self._stages.items()) for m in stage.modules() if isinstance(m, DeferredBatchNorm)
+        ]
         self._schedules = {}
         self._timer = BusyTimer(self.root_device) if self.log_bubble else None
         self._pipelined = _PipelinedSequential(sequential, self)
@@ -502,6 +506,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             setattr(module, self.module_name, DeferredBatchNorm.revert_deferred_batch_norm(self._pipelined.unwrap()))
         self._pipelined = None
         self._stages = {}
+        self._deferred = []
         self._schedules = {}
         self._step_grads = []
         super().teardown()
@@ -557,7 +562,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         step_kwargs: dict[str, Any] = {"target": y} if len(self._owners) - 1 in self._stages else {}
         if self._timer is not None:
             self._timer.start_step()
-        deferred = self._deferred_batch_norms()
+        deferred = self._deferred
         for layer in deferred:
             layer.reset_accumulator()
         self._loss_parameter_grads = [None] * len(shared)
@@ -606,11 +611,6 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in head[:p]], batch_size)
         return loss
 
-    def _deferred_batch_norms(self) -> list[DeferredBatchNorm]:
-        return [
-            m for _, stage in sorted(self._stages.items()) for m in stage.modules() if isinstance(m, DeferredBatchNorm)
-        ]
-
     def _commit_batch_norms(self, layers: list[DeferredBatchNorm]) -> None:
         """Update each layer's running statistics once, from every micro-batch of the (global) mini-batch.
 
@@ -628,14 +628,16 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             gathered = [torch.empty_like(packed) for _ in range(self.data_parallel_size)]
             dist.all_gather(gathered, packed, group=self._dp_group)
             rows = torch.stack(gathered)
-            merged: list[Moments | None] = []
-            start = 0
+            starts = [0]
             for layer in layers:
+                starts.append(starts[-1] + 1 + 2 * layer.num_features)
+            seen = rows[:, starts[:-1]].sum(0).tolist()  # each layer's samples over the replicas: one device read
+            merged: list[Moments | None] = []
+            for layer, start, samples in zip(layers, starts, seen, strict=False):
                 channels = layer.num_features
                 part = rows[:, start : start + 1 + 2 * channels]
                 count, mean, m2 = part[:, 0], part[:, 1 : 1 + channels], part[:, 1 + channels :]
-                merged.append(combine_moments(count, mean, m2) if float(count.sum()) > 0 else None)
-                start += 1 + 2 * channels
+                merged.append(combine_moments(count, mean, m2) if samples > 0 else None)
             totals = merged
         for layer, total in zip(layers, totals, strict=True):
             if total is None:
