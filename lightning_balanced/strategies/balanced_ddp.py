@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -16,12 +17,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int
 from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
+from lightning_balanced.data_parallel.carried_exchange import CarriedExchange
 from lightning_balanced.data_parallel.rank_shares import RankShare, ShareBatchSampler, share_loader
 from lightning_balanced.data_parallel.replica_context import ReplicaLogRecorder, combine_logs
 from lightning_balanced.data_parallel.scatter import infer_batch_size
@@ -74,6 +77,18 @@ def _pieces(samples: int, cap: int) -> list[tuple[int, int]]:
 def _slice(batch: Any, start: int, size: int) -> Any:
     """Samples ``start .. start + size`` of every tensor of ``batch`` that has a batch dimension."""
     return apply_to_collection(batch, Tensor, lambda t: t[start : start + size] if t.dim() else t)
+
+
+@dataclass
+class _Exchange:
+    """A step's exchange in flight, and what :meth:`BalancedDDP._finish_exchange` needs to read it."""
+
+    buffer: Tensor
+    logged: list[tuple[str, dict[str, Any]]]  # the combined values' names and self.log options, in buffer order
+    share: RankShare
+    timed_plan: list[int] | None  # the plan of the step whose time the buffer holds (None: no time sent)
+    logs: bool  # whether the per-rank shares and times are logged on this step
+    work: Any = None  # its own all_reduce (torch.distributed's Work); None: carried in DDP's gradient all-reduce
 
 
 class _StepTimer:
@@ -181,6 +196,8 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         self._timer: _StepTimer | None = None
         self._timed_plan: list[int] | None = None  # the plan of the step whose time the timer holds
         self._reported_plan: list[int] | None = None
+        self._pending_exchange: _Exchange | None = None
+        self._carrier: CarriedExchange | None = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -243,6 +260,16 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         if self._split_observes and self.root_device.type == "cuda":
             self.split.set_capacities(self._gpu_capacities())
 
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """As DDP's; without a communication hook of the user's, the step's exchange rides in DDP's all-reduce."""
+        super()._register_ddp_hooks()
+        self._carrier = None
+        if self._ddp_comm_hook is None and self._model_averaging_period is None:
+            assert isinstance(self.model, DistributedDataParallel)
+            self._carrier = CarriedExchange()
+            self.model.register_comm_hook(self.model.process_group, self._carrier.reduce)
+
     def _gpu_capacities(self) -> list[int | None]:
         """Each rank's GPU memory in bytes (one all_reduce at setup)."""
         capacities = torch.zeros(self.world_size, dtype=torch.float64, device=self.root_device)
@@ -302,6 +329,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
     def _share_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self.lightning_module
         assert module is not None
+        self._finish_exchange()  # a step whose backward never came (a skipped backward): its exchange ends here
         share = self._take_share(step_name)
         samples = len(share.indices)
         batch = args[0] if args else kwargs["batch"]
@@ -359,7 +387,17 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
             self._report_plan(share)
         sizes = [size for _, size in pieces]
         calls = recorders[0].calls if len(recorders) == 1 else combine_logs(recorders, sizes, self.root_device)
-        self._exchange(module, calls, share, training)
+        exchange = self._pending_exchange = self._exchange(module, calls, share, training)
+        # Where a backward pass follows for sure (automatic optimization, a loss returned), the exchange is finished
+        # in `backward`: carried in DDP's gradient all-reduce when that backward synchronizes (no collective of its
+        # own), else overlapped with it. Otherwise now.
+        overlapped = training and module.automatic_optimization and output is not None
+        if overlapped and self._carrier is not None and getattr(self.model, "require_backward_grad_sync", False):
+            self._carrier.send(exchange.buffer)
+        else:
+            exchange.work = dist.all_reduce(exchange.buffer, async_op=True)
+        if not overlapped:
+            self._finish_exchange()
         if training:
             self._timed_plan = share.chunk_sizes
         return output
@@ -419,13 +457,13 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
 
     def _exchange(
         self, module: pl.LightningModule, calls: dict[str, tuple[Any, dict[str, Any]]], share: RankShare, training: bool
-    ) -> None:
-        """One all_reduce per step: each rank's samples, its last step time, and the step's logged values.
+    ) -> _Exchange:
+        """Start the step's one all_reduce: each rank's samples, its last step time, and the step's logged values.
 
         Values logged with the default ``reduce_fx="mean"`` are combined weighted by each rank's share (a zero share
         adds nothing, whatever its value), ``"sum"`` summed; each is logged once, as the global batch's value, with
-        ``batch_size`` the global batch and no second reduction. Others (``max``/``min``, a callable, a Metric) are
-        logged as the rank gave them.
+        ``batch_size`` the global batch and no second reduction (:meth:`_finish_exchange`). Others (``max``/``min``,
+        a callable, a Metric) are logged now, as the rank gave them.
         """
         size, rank, samples = self.world_size, self.global_rank, len(share.indices)
         combined: list[tuple[str, Any, dict[str, Any], str]] = []
@@ -452,7 +490,26 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
             if samples:
                 weight = samples / share.global_size if kind == "mean" else 1.0
                 buffer[3 * size + k] = torch.as_tensor(value).detach().reshape(()).to(buffer) * weight
-        dist.all_reduce(buffer)
+        timed_plan = self._timed_plan if timed is not None else None
+        return _Exchange(buffer, [(name, options) for name, _, options, _ in combined], share, timed_plan, logs)
+
+    def _finish_exchange(self) -> None:
+        """Wait for the step's all_reduce, check the ranks' counts, log the combined values and the shares."""
+        exchange, self._pending_exchange = self._pending_exchange, None
+        if exchange is None:
+            return
+        module = self.lightning_module
+        assert module is not None
+        size, rank, share, buffer = self.world_size, self.global_rank, exchange.share, exchange.buffer
+        if exchange.work is not None:
+            exchange.work.wait()
+        else:
+            assert self._carrier is not None
+            carried = self._carrier.receive()
+            if carried is None:  # no bucket could carry it (or no backward came): on every rank alike
+                dist.all_reduce(buffer)
+            else:
+                buffer = carried
         head = buffer[: 3 * size].tolist()  # one read from the device
         counts = [int(c) for c in head[:size]]
         if counts != share.chunk_sizes:
@@ -461,20 +518,20 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
                 f" (rank {rank}'s view): the ranks' split policies disagree. A policy must plan the same on every rank"
                 " (a pure function of the batch size and what it observed from the gathered step times)"
             )
-        for k, (name, _, options, _) in enumerate(combined):
+        for k, (name, options) in enumerate(exchange.logged):
             module.log(name, buffer[3 * size + k], **{**options, "batch_size": share.global_size, "sync_dist": False})
-        if timed is None or self._timed_plan is None:
+        if exchange.timed_plan is None:
             return
         times = head[size : 2 * size]
         if self._split_observes:
             peaks = [None if b < 0 else int(b) for b in head[2 * size :]]
-            self.split.observe(list(self._timed_plan), times, None if None in peaks else peaks)
+            self.split.observe(list(exchange.timed_plan), times, None if None in peaks else peaks)
         # Only on the steps whose logs reach the loggers (every `log_every_n_steps`): a `self.log` call costs about
         # 0.4 ms, and 3 per rank every step cost 20 % of a small step (measured by benchmarks/bench_balanced_ddp.py).
-        if logs:
+        if exchange.logs:
             slowest = max(times)
             for r in range(size):
-                module.log(f"balanced_ddp/share_rank{r}", float(self._timed_plan[r]), batch_size=share.global_size)
+                module.log(f"balanced_ddp/share_rank{r}", float(exchange.timed_plan[r]), batch_size=share.global_size)
                 module.log(f"balanced_ddp/step_s_rank{r}", times[r], batch_size=share.global_size)
                 module.log(f"balanced_ddp/idle_s_rank{r}", slowest - times[r], batch_size=share.global_size)
 
@@ -488,12 +545,22 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         for param, grad in self._micro_batch_grads:  # before DDP's synchronized backward, which reduces them too
             param.grad = grad if param.grad is None else param.grad + grad
         self._micro_batch_grads = []
-        return super().backward(closure_loss * self._loss_weight, optimizer, *args, **kwargs)
+        loss = super().backward(closure_loss * self._loss_weight, optimizer, *args, **kwargs)
+        if self._pending_exchange is not None:  # the step's exchange, overlapped with this backward pass
+            module = self.lightning_module
+            assert module is not None
+            called_from, module._current_fx_name = module._current_fx_name, "training_step"  # its logs are the step's
+            try:
+                self._finish_exchange()
+            finally:
+                module._current_fx_name = called_from
+        return loss
 
     @override
     def teardown(self) -> None:
         """As DDP's; a spawned or forked worker then ends its process group (as ``ddp_lr`` does)."""
         self._timer = None
+        self._pending_exchange = None
         super().teardown()
         if getattr(self, "_start_method", "popen") in ("spawn", "fork", "forkserver"):
             end_process_group()
