@@ -13,7 +13,7 @@ from lightning_balanced.arguments import check_int, check_real
 from lightning_balanced.data_parallel.split_policy import NAMED_POLICIES, SplitPolicy, even_split, proportional_split
 from lightning_balanced.progress_log import rank_zero_report
 
-__all__ = ["AutoSplit"]
+__all__ = ["AutoSplit", "memory_line"]
 
 
 def _round_significant(value: float, digits: int = 3) -> float:
@@ -21,6 +21,27 @@ def _round_significant(value: float, digits: int = 3) -> float:
     if value == 0.0 or not math.isfinite(value):
         return value
     return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def memory_line(observations: Sequence[tuple[int, int]]) -> tuple[float, float]:
+    """A device's memory as ``fixed + per_sample * samples`` bytes, from ``(samples, peak_bytes)`` observations.
+
+    From the last two (of different sizes), the line through them (slope >= 0); from one, the conservative
+    ``(0, peak / samples)``, which over-predicts any larger batch (it charges the fixed part to every sample), so a
+    cap derived from it is never too large.
+
+    Args:
+        observations: ``(samples, peak_bytes)`` pairs, ``samples >= 1``, the last two of different sizes if two.
+
+    Returns:
+        ``(fixed_bytes, bytes_per_sample)``, both ``>= 0``.
+    """
+    if len(observations) == 1:
+        ((n, b),) = observations
+        return 0.0, b / n
+    (n0, b0), (n1, b1) = observations[-2:]
+    per_sample = max((b1 - b0) / (n1 - n0), 0.0)
+    return max(b1 - per_sample * n1, 0.0), per_sample
 
 
 class AutoSplit(SplitPolicy):
@@ -231,21 +252,13 @@ class AutoSplit(SplitPolicy):
         return out
 
     def _memory_model(self, device: int) -> tuple[float, float] | None:
-        """``(fixed_bytes, bytes_per_sample)`` of ``device``, or ``None`` before its first memory observation.
+        """``(fixed_bytes, bytes_per_sample)`` of ``device`` (:func:`memory_line` of its observations), or ``None``.
 
-        From the peaks at its last two chunk sizes, the line through them (slope >= 0); from a single chunk size, the
-        conservative ``(0, peak / chunk_size)``, which over-predicts any larger chunk (it charges the fixed part to
-        every sample) and so never lets a plan exceed the cap. For replicas that share a device, the device's: its
-        peaks against the samples of all its replicas.
+        For replicas that share a device, the device's: its peaks against the samples of all its replicas.
         """
         if not self._memory or not self._memory[device]:
             return None
-        if len(self._memory[device]) == 1:
-            ((n, b),) = self._memory[device]
-            return 0.0, b / n
-        (n0, b0), (n1, b1) = self._memory[device][-2:]
-        per_sample = max((b1 - b0) / (n1 - n0), 0.0)
-        return max(b1 - per_sample * n1, 0.0), per_sample
+        return memory_line(self._memory[device])
 
     def _replan(self, batch_size: int, num_devices: int, reason: str) -> None:
         rates = self.seconds_per_sample(num_devices, self.drift_window)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int
 from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
+from lightning_balanced.data_parallel.auto_split import memory_line
 from lightning_balanced.data_parallel.carried_exchange import CarriedExchange
 from lightning_balanced.data_parallel.rank_shares import RankShare, ShareBatchSampler, share_loader
 from lightning_balanced.data_parallel.replica_context import ReplicaLogRecorder, combine_logs
@@ -59,9 +61,13 @@ def _loaders(loaders: Any) -> list[Any]:
     return [] if loaders is None else [loaders]
 
 
-def _check_max_micro_batch(value: int | Sequence[int] | None) -> int | list[int] | None:
-    if value is None:
-        return None
+def _check_max_micro_batch(
+    value: int | Sequence[int] | Literal["auto"] | None,
+) -> int | list[int] | Literal["auto"] | None:
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, str):
+        raise ValueError(f"`max_micro_batch` must be an int >= 1, one per rank, 'auto' or None, got {value!r}")
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return [check_int(f"max_micro_batch[{i}]", v, minimum=1) for i, v in enumerate(value)]
     return check_int("max_micro_batch", value, minimum=1)
@@ -89,6 +95,40 @@ class _Exchange:
     timed_plan: list[int] | None  # the plan of the step whose time the buffer holds (None: no time sent)
     logs: bool  # whether the per-rank shares and times are logged on this step
     work: Any = None  # its own all_reduce (torch.distributed's Work); None: carried in DDP's gradient all-reduce
+
+
+# The share of a GPU's memory that max_micro_batch="auto" lets one micro-batch's step use (AutoSplit's default).
+_MEMORY_FRACTION = 0.9
+
+
+class _MeasuredMicroBatch:
+    """``max_micro_batch="auto"`` on one rank: the largest micro-batch its GPU holds, from the steps' peak memory.
+
+    A step's peak (forward, backward and optimizer step of its largest micro-batch, with the accumulated gradients and
+    the optimizer state) is modelled as ``fixed + per_sample * samples``
+    (:func:`~lightning_balanced.data_parallel.auto_split.memory_line` over the last two micro-batch sizes); the cap
+    is ``floor((0.9 * capacity - fixed) / per_sample)``, at least 1. Before the first measurement: no cap.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.cap: int | None = None
+        self._observations: list[tuple[int, int]] = []
+
+    def observe(self, samples: int, peak_bytes: int) -> None:
+        """The peak memory of a step whose largest forward pass had ``samples`` samples."""
+        if samples < 1 or peak_bytes <= 0:
+            return
+        if self._observations and self._observations[-1][0] == samples:
+            self._observations[-1] = (samples, peak_bytes)
+        else:
+            self._observations = [*self._observations[-1:], (samples, peak_bytes)]
+        fixed, per_sample = memory_line(self._observations)
+        room = _MEMORY_FRACTION * self.capacity_bytes - fixed
+        if per_sample > 0:
+            self.cap = max(math.floor(room / per_sample), 1)
+        else:  # no growth with the samples seen: no cap while the fixed part fits
+            self.cap = None if room >= 0 else 1
 
 
 class _StepTimer:
@@ -129,6 +169,10 @@ class _StepTimer:
             self._spans.append((self._began, end))
         else:
             self._spans.append(time.perf_counter() - self._began)
+
+    def last_peak(self) -> int | None:
+        """The peak bytes of the step before the current one (CUDA); ``None`` on other devices."""
+        return self._done_peak if self._cuda else None
 
     def take(self) -> tuple[float, int | None] | None:
         """The last timed step's seconds and peak bytes (``None``: no step was timed since the last take)."""
@@ -177,7 +221,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         split: SplitPolicy | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         sync_batchnorm: bool = True,
-        max_micro_batch: int | Sequence[int] | None = None,
+        max_micro_batch: int | Sequence[int] | Literal["auto"] | None = None,
         log_shares: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -197,6 +241,8 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         self._timed_plan: list[int] | None = None  # the plan of the step whose time the timer holds
         self._reported_plan: list[int] | None = None
         self._pending_exchange: _Exchange | None = None
+        self._measured_micro_batch: _MeasuredMicroBatch | None = None
+        self._largest_forward = 0  # the samples of the last training step's largest forward pass
         self._carrier: CarriedExchange | None = None
 
     @property
@@ -257,6 +303,16 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         super().setup(trainer)
         self._timer = _StepTimer(self.root_device)
         self._timed_plan = None
+        self._measured_micro_batch, self._largest_forward = None, 0
+        if self.max_micro_batch == "auto":
+            if self.root_device.type == "cuda":
+                memory = torch.cuda.get_device_properties(self.root_device).total_memory
+                self._measured_micro_batch = _MeasuredMicroBatch(memory)
+            else:
+                rank_zero_report(
+                    f"balanced_ddp: max_micro_batch='auto' measures GPU memory; on {self.root_device.type} ranks a"
+                    " share runs in one forward pass"
+                )
         if self._split_observes and self.root_device.type == "cuda":
             self.split.set_capacities(self._gpu_capacities())
 
@@ -349,8 +405,13 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         timer = self._timer if training else None
         if timer is not None:
             timer.new_step()
+            peak = timer.last_peak()
+            if self._measured_micro_batch is not None and peak is not None:
+                self._measured_micro_batch.observe(self._largest_forward, peak)
         cap = self._micro_batch_cap() if training else None
         pieces = [(0, samples)] if cap is None or samples <= cap else _pieces(samples, cap)
+        if training:
+            self._largest_forward = max(size for _, size in pieces)
         run = getattr(super(), step_name)
         recorders: list[ReplicaLogRecorder] = []
         output: Any = None
@@ -408,6 +469,9 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
 
     def _micro_batch_cap(self) -> int | None:
         cap = self.max_micro_batch
+        if cap == "auto":
+            measured = self._measured_micro_batch
+            return None if measured is None else measured.cap
         return cap[self.global_rank] if isinstance(cap, list) else cap
 
     def _backward_micro_batch(
@@ -608,7 +672,10 @@ class BalancedDDPStrategy(BalancedDDP, DDPStrategy):
         max_micro_batch: the most samples a rank runs in one forward pass (an int for every rank, or one per rank):
             a larger share runs as micro-batches of near-equal size, all but the last forward and backward under
             DDP's ``no_sync``, each weighted by its samples, so the step is the same. Automatic optimization only, and
-            refused with BatchNorm (which normalizes over one forward pass's samples).
+            refused with BatchNorm (which normalizes over one forward pass's samples). ``"auto"``: on CUDA, each rank
+            its own, from its steps' peak memory (``torch.cuda.max_memory_allocated``) fitted as fixed + per-sample
+            bytes, so a micro-batch's step uses at most 90 % of the GPU (the first step runs the share whole); on
+            other devices no cap.
         log_shares: log ``balanced_ddp/share_rank{r}``, ``balanced_ddp/step_s_rank{r}`` (the step method's seconds)
             and ``balanced_ddp/idle_s_rank{r}`` (behind the slowest rank) for every rank, on the training steps whose
             logs the loggers write (every ``log_every_n_steps``).

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Te
 
 from lightning_balanced import AutoSplit, BalancedDDPStrategy, ChunkSizes, DistributedEvalMixin, EvenSplit
 from lightning_balanced.data_parallel.rank_shares import ShareBatchSampler, share_loader
+from lightning_balanced.strategies.balanced_ddp import _MeasuredMicroBatch
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 
@@ -161,6 +162,8 @@ _TWO_RANK_RUNS = [
         "batchnorm": False,
         "optimizer": "adam",
     },
+    # 'auto' measures GPU memory: on CPU ranks each share runs whole, the step as without a cap
+    {"strategy": {"chunk_sizes": [3, 5], "max_micro_batch": "auto"}, "batchnorm": False},
 ]
 
 
@@ -173,6 +176,7 @@ def test_uneven_shares_train_as_one_process_on_the_global_batch_on_two_ranks() -
         _reference(6, batch_size=5),  # not 3: the short batch must be reached
         _reference(3, accumulate=2, clip=0.05),
         _reference(3, optimizer="adam", accumulate=2, batchnorm=False),
+        _reference(3, batchnorm=False),
     ]
     for index, reference in enumerate(references):
         ranks = [results[rank][index] for rank in range(2)]
@@ -350,6 +354,19 @@ def test_bad_arguments_name_what_was_expected() -> None:
         BalancedDDPStrategy(max_micro_batch=[2, 0])
     with raises_exactly(TypeError, "`sync_batchnorm` must be a bool, got 'yes'"):
         BalancedDDPStrategy(sync_batchnorm="yes")  # type: ignore[arg-type]
+    with raises_exactly(ValueError, "`max_micro_batch` must be an int >= 1, one per rank, 'auto' or None, got 'big'"):
+        BalancedDDPStrategy(max_micro_batch="big")  # type: ignore[arg-type]
+
+
+def test_a_measured_micro_batch_fills_ninety_percent_of_the_gpu_by_the_fitted_line() -> None:
+    measured = _MeasuredMicroBatch(capacity_bytes=10_000)
+    assert measured.cap is None  # before the first step: the share runs whole
+    measured.observe(8, 4_000)  # one size: conservatively 0 fixed + 500 per sample
+    assert measured.cap == 18  # floor(9000 / 500)
+    measured.observe(4, 2_400)  # two sizes: 800 fixed + 400 per sample
+    assert measured.cap == 20  # floor((9000 - 800) / 400) = 20.5
+    measured.observe(4, 9_500)  # a share that already overflows: at least 1 sample
+    assert measured.cap == 1
 
 
 def test_registered_names_and_launches() -> None:
