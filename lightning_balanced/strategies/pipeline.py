@@ -412,9 +412,6 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:
-            self._share_found_inf(scaler)
         self._report()
 
     def _build_stages(self, module: pl.LightningModule) -> None:
@@ -573,18 +570,22 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._loss_parameter_grads = []
         self._commit_batch_norms(deferred)
         # One all_reduce over the pipeline carries each rank's compute time, the loss (float64 on every rank: only the
-        # last stage's rank knows the loss's own dtype), each rank's step time, and the gradients of the parameters
-        # outside the nn.Sequential with a flag each for "has a gradient": [busy | loss | step | flags | gradients].
-        # The others' slots are zeros, so the sums are exact (a float32 or float16 gradient round-trips through
-        # float64 unchanged), and every rank derives the same bubbles and the same shared gradients.
+        # last stage's rank knows the loss's own dtype), each rank's step time, whether its stages' gradients hold an
+        # inf or NaN (16-mixed), and the gradients of the parameters outside the nn.Sequential with a flag each for
+        # "has a gradient": [busy | loss | step | non-finite | flags | gradients]. The others' slots are zeros, so
+        # the sums are exact (a float32 or float16 gradient round-trips through float64 unchanged), and every rank
+        # derives the same bubbles, the same shared gradients and the same decision to skip the step.
         p = self.pipeline_size
-        shared_grads = _SharedGradients(shared, offset=2 * p + 1)
+        shared_grads = _SharedGradients(shared, offset=2 * p + 2)
         report = torch.zeros(shared_grads.end, dtype=torch.float64, device=self.root_device)
         if self._timer is not None:
             report[self.pipeline_rank] = self._timer.busy_seconds()
             report[p + 1 + self.pipeline_rank] = self._timer.step_seconds()
         for micro_batch_loss in self._micro_batch_losses:
             report[p] += micro_batch_loss.to(report)
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None
+        if scaled:
+            report[2 * p + 1] = _non_finite([param.grad for param in own])
         shared_grads.pack(report)
         assert self._pp_group is not None
         dist.all_reduce(report, group=self._pp_group)
@@ -595,9 +596,11 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                     param.grad /= self.data_parallel_size
             dist.all_reduce(report, group=self._dp_group)
             report /= self.data_parallel_size
-        # One read from the device, for the bubbles and the shared gradients' flags.
-        head = report[: shared_grads.values].tolist() if self._timer is not None or shared else []
+        # One read from the device, for the bubbles, the non-finite flag and the shared gradients' flags.
+        head = report[: shared_grads.values].tolist() if self._timer is not None or shared or scaled else []
         shared_grads.unpack(report, head)
+        if scaled and head[2 * p + 1] > 0:
+            _mark_non_finite(own)
         self._step_grads = [(param, param.grad) for param in trained if param.grad is not None]
         for param, grad in zip(trained, previous, strict=True):
             param.grad = grad
@@ -694,29 +697,6 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                     held = self._loss_parameter_grads[index]
                     self._loss_parameter_grads[index] = grad if held is None else held + grad
         return scaled
-
-    def _share_found_inf(self, scaler: Any) -> None:
-        """Make ``scaler.unscale_`` report an inf or NaN found on any stage to every rank of the pipeline.
-
-        Each rank unscales its own stages' gradients only; without this, the ranks would disagree on whether to skip
-        the step and on the next scale.
-        """
-        unscale = scaler.unscale_
-        if getattr(unscale, "_shares_found_inf", False):
-            return  # already wrapped by an earlier setup with the same precision plugin (a second fit)
-
-        def unscale_(optimizer: Optimizer) -> None:
-            unscale(optimizer)
-            found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            any_found = torch.zeros((), dtype=torch.float32, device=self.root_device)
-            for value in found.values():
-                any_found = torch.maximum(any_found, value.to(any_found))
-            dist.all_reduce(any_found, op=dist.ReduceOp.MAX, group=self._pp_group)
-            for value in found.values():
-                value.copy_(any_found)
-
-        unscale_._shares_found_inf = True  # type: ignore[attr-defined]
-        scaler.unscale_ = unscale_
 
     def _schedule_for(self, x: Tensor) -> Any:
         """The schedule for batches shaped as ``x`` (built on the first such batch: its stages' shapes are static)."""
@@ -997,6 +977,26 @@ class _SharedGradients:
             if flag > 0:
                 param.grad = buffer[start : start + size].view(param.shape).to(param.dtype).to(param.device)
             start += size
+
+
+def _non_finite(grads: Sequence[Tensor | None]) -> float:
+    """1.0 where any of ``grads`` holds an inf or NaN, else 0.0 (one device read)."""
+    found = [torch.logical_not(torch.isfinite(grad)).any() for grad in grads if grad is not None]
+    return float(torch.stack(found).any().item()) if found else 0.0
+
+
+def _mark_non_finite(params: Sequence[nn.Parameter]) -> None:
+    """Put a NaN into the first of ``params``' gradients, where another stage's rank found an inf or NaN in its own.
+
+    The ``GradScaler``'s ``unscale_`` on this rank then finds it as well, so every rank of the pipeline skips the
+    step and lowers the scale alike, through the scaler's public behaviour only. (Each rank unscales its own stages'
+    gradients: without it the ranks would disagree on the skip and on the next scale.) A data-parallel replica
+    needs nothing: the gradients' average carries the inf or NaN to it.
+    """
+    for param in params:
+        if param.grad is not None:
+            param.grad[(0,) * param.grad.dim()] = float("nan")
+            return
 
 
 def _pack_moments(layer: DeferredBatchNorm, total: Moments | None, device: torch.device) -> Tensor:

@@ -183,24 +183,37 @@ def test_1f1b_keeps_p_over_m_of_gpipes_activations_on_stage_0() -> None:
     assert one_f_one_b[0] <= 4 / 16 * gpipe[0] * 1.1, (one_f_one_b, gpipe)
 
 
-def _mixed_precision_rank(rank: int, world_size: int, plugin: str) -> dict[str, Any]:
-    return _fit_mixed(PipelineStrategy(chunks=4), world_size, plugin)
+def _mixed_precision_rank(rank: int, world_size: int, plugin: str, one_stage: bool = False) -> dict[str, Any]:
+    return _fit_mixed(PipelineStrategy(chunks=4), world_size, plugin, one_stage)
 
 
-def _precision(plugin: str) -> dict[str, Any]:
+def _precision(plugin: str, init_scale: float = 2.0**24) -> dict[str, Any]:
     if plugin == "bf16-mixed":
         return {"precision": "bf16-mixed"}
     # 16-mixed with a GradScaler on CPU (Lightning's Trainer(precision="16-mixed") asks for a GPU); the initial scale
     # overflows float16 so that the first steps are skipped and the scale backs off, as on a GPU.
-    return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**24))]}
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=init_scale))]}
 
 
-def _fit_mixed(strategy: Any, devices: int, plugin: str) -> dict[str, Any]:
+def _fit_mixed(strategy: Any, devices: int, plugin: str, one_stage: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = _Regressor(nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)))
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(8, 5, generator=g) * 1e3, torch.randn(8, 3, generator=g))  # one batch, any order
-    trainer = quiet_trainer(strategy, devices, max_steps=4, accelerator="cpu", **_precision(plugin))
+    if one_stage:
+        # Two stages of one Linear each, whose float16 gradients overflow on the last stage only: activations of ~1e3
+        # into weights of ~1e-5 give the last weight's gradient ~1e3 x the scaled output gradient (inf), and the
+        # first stage an input gradient 1e5 times smaller (finite).
+        first, last = nn.Linear(5, 16), nn.Linear(16, 3)
+        with torch.no_grad():
+            first.weight.mul_(1e3)
+            last.weight.mul_(1e-5)
+        model = _Regressor(nn.Sequential(first, last))
+        data = TensorDataset(torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g))
+    else:
+        model = _Regressor(nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)))
+        data = TensorDataset(torch.randn(8, 5, generator=g) * 1e3, torch.randn(8, 3, generator=g))  # one batch
+    # one_stage: an initial scale that keeps the output's gradient finite in float16 (~1e3) and the last weight's not
+    precision = _precision(plugin, init_scale=2.0**14 if one_stage else 2.0**24)
+    trainer = quiet_trainer(strategy, devices, max_steps=4, accelerator="cpu", **precision)
     trainer.fit(model, DataLoader(data, batch_size=8))
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return {
@@ -222,3 +235,17 @@ def test_mixed_precision_trains_as_one_process_does(plugin: str) -> None:
         for name, value in rank["state"].items():
             torch.testing.assert_close(value, expected["state"][name], rtol=0, atol=1e-3, msg=f"{plugin} {name}")
         assert rank["scale"] == expected["scale"]  # every rank skipped the same steps as one process did
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.amp, "GradScaler"), reason="torch.amp.GradScaler (for CPU) is in torch 2.3 and later"
+)
+@pytest.mark.slow
+def test_an_overflow_on_one_stage_skips_the_step_on_every_rank() -> None:
+    expected = _fit_mixed("auto", 1, "16-mixed", one_stage=True)
+    ranks = run_distributed(_mixed_precision_rank, 2, "16-mixed", True, timeout_s=300)
+    assert expected["scale"] < 2.0**14  # the reference skipped steps: the case is what it claims
+    for rank in ranks:
+        assert rank["scale"] == expected["scale"]  # rank 0, whose gradients stayed finite, skipped them too
+        for name, value in rank["state"].items():
+            torch.testing.assert_close(value, expected["state"][name], rtol=0, atol=1e-3, msg=name)
