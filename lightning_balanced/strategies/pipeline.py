@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -28,6 +29,7 @@ from lightning_balanced.nn.moments import Moments, combine_moments
 from lightning_balanced.pipeline.balance import even_balance
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.bubble import BusyTimer, bubble
+from lightning_balanced.pipeline.materialize import is_on_meta, materialize, materialize_layers
 from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_forward
 from lightning_balanced.pipeline.pipe import validate_balance
 from lightning_balanced.pipeline.recompute import recomputing
@@ -307,6 +309,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._loss_parameters: list[nn.Parameter] = []
         self._loss_parameter_grads: list[Tensor | None] = []
         self._deferred: list[DeferredBatchNorm] = []  # this rank's stages' DeferredBatchNorm layers, found at setup
+        self._built_on_meta = False  # the model came built on the meta device: each rank materializes its own stages
 
     # ---- topology --------------------------------------------------------------------------------------------------
     @property
@@ -432,11 +435,14 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                     f"`balance` {balance} must hold one entry per stage: {num_stages} ({p} ranks x {k} stages per rank)"
                 )
         self._balance = balance
+        self._owners = stage_owners(p, k, self.schedule.placement)
+        mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
+        self._built_on_meta = is_on_meta(module)
+        if self._built_on_meta:
+            self._materialize_own_layers(module, sequential, mine)
         if self.deferred_batch_norm:  # in place: the stages and the wrapper below hold the converted layers
             DeferredBatchNorm.convert_deferred_batch_norm(sequential)
         stages = cut_sequential(sequential, balance)
-        self._owners = stage_owners(p, k, self.schedule.placement)
-        mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
         in_sequential = {id(param) for param in sequential.parameters()}
         self._loss_parameters = [param for param in module.parameters() if id(param) not in in_sequential]
         self._stages = {s: _Stage(stages[s], self.activation_checkpointing) for s in mine}
@@ -447,6 +453,32 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._timer = BusyTimer(self.root_device) if self.log_bubble else None
         self._pipelined = _PipelinedSequential(sequential, self)
         setattr(module, self.module_name, self._pipelined)
+
+    def _materialize_own_layers(self, module: pl.LightningModule, sequential: nn.Sequential, mine: list[int]) -> None:
+        """A model built on the meta device: this rank's stages' layers, and what is outside the Sequential, get memory.
+
+        Layer ``i`` is initialized from ``seed + i`` (``seed_everything``'s seed, else 0), what is outside the
+        ``nn.Sequential`` from ``seed - 1`` (:mod:`~lightning_balanced.pipeline.materialize`), so the model is the same
+        whatever the balance and the ranks. The other ranks' layers stay on the meta device.
+        """
+        if not self.save_distributed_checkpoint:
+            raise ValueError(
+                "strategy='pipeline' got a model built on the meta device: no rank holds the whole model, so a"
+                " checkpoint cannot be one file; keep `save_distributed_checkpoint=True` (the default)"
+            )
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        owned = [layer for stage in mine for layer in self._layer_range(stage)]
+        materialize_layers(sequential, owned, self.root_device, seed)
+        module._modules[self.module_name] = None  # the rest of the LightningModule, without the Sequential
+        try:
+            materialize(module, self.root_device, seed - 1, f"{type(module).__name__} (outside `{self.module_name}`)")
+        finally:
+            module._modules[self.module_name] = sequential
+
+    def _layer_range(self, stage: int) -> range:
+        """The indices in the ``nn.Sequential`` of stage ``stage``'s layers."""
+        start = sum(self._balance[:stage])
+        return range(start, start + self._balance[stage])
 
     def _report(self) -> None:
         lines = [
@@ -494,7 +526,8 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
 
     @override
     def on_train_end(self) -> None:
-        self._share_stages()  # every rank holds the whole trained model after fit
+        if not self._built_on_meta:
+            self._share_stages()  # every rank holds the whole trained model after fit (unless built on meta)
 
     @override
     def teardown(self) -> None:
@@ -506,7 +539,20 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._deferred = []
         self._schedules = {}
         self._step_grads = []
-        super().teardown()
+        sequential = None if module is None else module._modules.get(self.module_name)
+        if not self._built_on_meta or module is None or sequential is None:
+            super().teardown()
+            return
+        # Lightning's teardown moves the module to the CPU, which a layer on the meta device cannot do: this rank's
+        # own layers go one by one, the others stay where they are.
+        for layer in sequential:
+            if not is_on_meta(layer):
+                layer.cpu()
+        module._modules[self.module_name] = None
+        try:
+            super().teardown()
+        finally:
+            module._modules[self.module_name] = sequential
 
     # ---- the steps -------------------------------------------------------------------------------------------------
     @override
@@ -836,14 +882,9 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         """
         module = self.lightning_module
         assert module is not None
-        if not self._stages:
-            return set(module.state_dict())
-        layers: set[int] = set()
-        start = 0
-        for stage, size in enumerate(self._balance):
-            if stage in self._stages:
-                layers.update(range(start, start + size))
-            start += size
+        if not self._stages:  # what is not on the meta device: everything, unless the model was built there
+            return {name for name, tensor in module.state_dict().items() if not tensor.is_meta}
+        layers = {layer for stage in self._stages for layer in self._layer_range(stage)}
         prefix = f"{self.module_name}."
         return {
             name
