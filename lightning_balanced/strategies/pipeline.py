@@ -84,6 +84,11 @@ def _ddp_defaults() -> dict[str, Any]:
 
 #: The LightningModule hook the last stage calls on each micro-batch.
 LOSS_HOOK = "compute_loss"
+#: The optional LightningModule hook that splits a training batch into the first stage's input(s) and the target.
+BATCH_HOOK = "pipeline_batch"
+
+#: What travels into and between stages: one tensor, or a tuple of tensors (the next stage gets the tuple).
+Activation = Tensor | tuple[Tensor, ...]
 
 
 class _Stage(nn.Module):
@@ -101,7 +106,10 @@ class _Stage(nn.Module):
         self.layers = layers
         self.checkpointed = checkpointed
 
-    def forward(self, x: Tensor) -> Any:
+    def forward(self, *inputs: Tensor) -> Any:
+        # torch's PipelineStage calls a stage with the previous stage's tensors as arguments; the layers take them as
+        # nn.Sequential passes a value on: one tensor, or the tuple the previous layer returned
+        x: Activation = inputs[0] if len(inputs) == 1 else inputs
         if self.checkpointed:  # the recomputation in backward is marked, so DeferredBatchNorm counts it once
             output = activation_checkpoint(
                 self.layers, x, use_reentrant=False, context_fn=lambda: (nullcontext(), recomputing())
@@ -133,7 +141,7 @@ class _PipelinedSequential(nn.Sequential):
         self.__dict__["_original"] = original  # not a child: the layers are registered once, under their names
         self.__dict__["_strategy"] = strategy
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Activation) -> Activation:
         strategy: PipelineStrategy = self.__dict__["_strategy"]
         return strategy._forward(input)
 
@@ -545,7 +553,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             return
         # Lightning's teardown moves the module to the CPU, which a layer on the meta device cannot do: this rank's
         # own layers go one by one, the others stay where they are.
-        for layer in sequential:
+        for layer in sequential.children():
             if not is_on_meta(layer):
                 layer.cpu()
         module._modules[self.module_name] = None
@@ -578,19 +586,42 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs["batch"]
-        x, y = _input_and_target(batch)
-        batch_size = x.shape[0]
+        x, y = self._input_and_target(batch)
+        batch_size = _first(x).shape[0]
         if batch_size % self.chunks:
             raise ValueError(
                 f"strategy='pipeline' splits each batch into `chunks`={self.chunks} equal micro-batches, but a batch"
                 f" has {batch_size} samples: use a batch size that is a multiple of {self.chunks} (and"
                 " `drop_last=True` for a short last batch)"
             )
-        x, y = x.to(self.root_device), y.to(self.root_device)
+        x, y = _to(x, self.root_device), y.to(self.root_device)
         with self._naming_a_lost_peer("a training step"):
             return self._train_on(x, y, batch_size)
 
-    def _train_on(self, x: Tensor, y: Tensor, batch_size: int) -> Tensor:
+    def _input_and_target(self, batch: Any) -> tuple[Activation, Tensor]:
+        """The first stage's input(s) and the target: ``pipeline_batch(batch)`` where the LightningModule defines it."""
+        module = self.lightning_module
+        hook = getattr(module, BATCH_HOOK, None)
+        split = hook(batch) if callable(hook) else batch
+        if (
+            isinstance(split, (tuple, list))
+            and len(split) == 2
+            and isinstance(split[1], Tensor)
+            and (isinstance(split[0], Tensor) or _is_tensor_tuple(split[0]))
+        ):
+            return (split[0] if isinstance(split[0], Tensor) else tuple(split[0])), split[1]
+        if callable(hook):
+            raise TypeError(
+                f"`{type(module).__name__}.{BATCH_HOOK}(batch)` must return `(input, target)`: `input` a tensor or a"
+                f" tuple of tensors (the first stage's arguments), `target` a tensor; got {_described(split)}"
+            )
+        raise TypeError(
+            "strategy='pipeline' takes batches of `(input, target)` tensors: the first stage reads `input`, the last"
+            f" stage's `compute_loss` gets `target`; got {_described(batch)}. For other batches define"
+            f" `{BATCH_HOOK}(self, batch) -> (input, target)` on the LightningModule"
+        )
+
+    def _train_on(self, x: Activation, y: Tensor, batch_size: int) -> Tensor:
         schedule = self._schedule_for(x)
         own, shared = self._own_parameters(), self._shared_parameters()
         trained = [*own, *shared]
@@ -601,7 +632,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         # Lightning divides the closure's loss by `accumulate_grad_batches`; the schedule's backward must do the same.
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         self._loss_weight = 1.0 / (self.chunks * trainer.accumulate_grad_batches)
-        step_args: tuple[Any, ...] = (x,) if 0 in self._stages else ()
+        step_args: tuple[Any, ...] = (x if isinstance(x, tuple) else (x,)) if 0 in self._stages else ()
         step_kwargs: dict[str, Any] = {"target": y} if len(self._owners) - 1 in self._stages else {}
         if self._timer is not None:
             self._timer.start_step()
@@ -744,10 +775,11 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                     self._loss_parameter_grads[index] = grad if held is None else held + grad
         return scaled
 
-    def _schedule_for(self, x: Tensor) -> Any:
+    def _schedule_for(self, x: Activation) -> Any:
         """The schedule for batches shaped as ``x`` (built on the first such batch: its stages' shapes are static)."""
-        micro = x[: x.shape[0] // self.chunks]
-        key = (tuple(micro.shape), micro.dtype)
+        size = _first(x).shape[0] // self.chunks
+        micro: Activation = tuple(t[:size] for t in x) if isinstance(x, tuple) else x[:size]
+        key = tuple((tuple(t.shape), t.dtype) for t in (micro if isinstance(micro, tuple) else (micro,)))
         if key in self._schedules:
             return self._schedules[key]
         from torch.distributed.pipelining import PipelineStage
@@ -792,16 +824,24 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._schedules[key] = schedule
         return schedule
 
-    def _pipelined_forward(self, x: Tensor, examples: StageExamples | None = None) -> Tensor:
+    def _pipelined_forward(self, x: Activation, examples: StageExamples | None = None, chunks: int = 1) -> Activation:
         assert self._pp_group is not None
-        return pipelined_forward(
-            x, self._stages, self._owners, self.pipeline_rank, self._pp_group, self.root_device, examples
+        output = pipelined_forward(
+            x, self._stages, self._owners, self.pipeline_rank, self._pp_group, self.root_device, examples, chunks=chunks
         )
+        assert output is not None  # every rank gets the output
+        return output
 
-    def _forward(self, x: Tensor) -> Tensor:
-        """The ``nn.Sequential``'s forward while the strategy runs: the last stage's output on every rank."""
+    def _forward(self, x: Activation) -> Activation:
+        """The ``nn.Sequential``'s forward while the strategy runs: the last stage's output on every rank.
+
+        In ``chunks`` micro-batches (GPipe's forward), so a stage's rank works on one micro-batch while the next works
+        on the previous one. On NCCL with a looped or V-shaped placement in one micro-batch: two ranks that exchange
+        in both directions post their sends in different orders there, which NCCL does not reorder.
+        """
+        chunks = self.chunks if self.schedule.placement == "single" or self.root_device.type == "cpu" else 1
         with self._naming_a_lost_peer("a forward pass"):
-            return self._pipelined_forward(x)
+            return self._pipelined_forward(x, chunks=chunks)
 
     @contextmanager
     def _naming_a_lost_peer(self, what: str) -> Iterator[None]:
@@ -1048,17 +1088,27 @@ def _pack_moments(layer: DeferredBatchNorm, total: Moments | None, device: torch
     return torch.cat([total.count.reshape(1), total.mean, total.m2]).to(device=device, dtype=torch.float64)
 
 
-def _input_and_target(batch: Any) -> tuple[Tensor, Tensor]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
-        return batch[0], batch[1]
-    raise TypeError(
-        "strategy='pipeline' takes batches of `(input, target)` tensors: the first stage reads `input`, the last"
-        f" stage's `compute_loss` gets `target`; got {type(batch).__name__}"
-    )
+def _is_tensor_tuple(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) > 0 and all(isinstance(t, Tensor) for t in value)
 
 
-def _example_requires_grad(example: Tensor, requires_grad: bool) -> None:
-    example.requires_grad_(requires_grad and (example.is_floating_point() or example.is_complex()))
+def _described(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: ({', '.join(type(v).__name__ for v in value)})"
+    return type(value).__name__
+
+
+def _first(x: Activation) -> Tensor:
+    return x[0] if isinstance(x, tuple) else x
+
+
+def _to(x: Activation, device: torch.device) -> Activation:
+    return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+
+
+def _example_requires_grad(example: Activation, requires_grad: bool) -> None:
+    for tensor in example if isinstance(example, tuple) else (example,):
+        tensor.requires_grad_(requires_grad and (tensor.is_floating_point() or tensor.is_complex()))
 
 
 def _to_host(value: Any) -> Any:

@@ -468,16 +468,16 @@ def test_a_schedule_older_torch_cannot_run_names_the_release_it_runs_from(monkey
 
 # ---- a stage that returns no tensor: a named error on its rank, and no hang on the others ---------------------------
 class _Pair(nn.Module):
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, x
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"a": x, "b": x}
 
 
 class _Sum(nn.Module):
-    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return pair[0] + pair[1]
+    def forward(self, pair: dict[str, torch.Tensor]) -> torch.Tensor:
+        return pair["a"] + pair["b"]
 
 
-def _tuple_stage_rank(rank: int, world_size: int) -> str:
+def _dict_stage_rank(rank: int, world_size: int) -> str:
     model = PipelinedRegressor()
     model.sequential_module = nn.Sequential(nn.Linear(5, 3), _Pair(), _Sum(), nn.Linear(3, 3)).double()
     trainer = quiet_trainer(PipelineStrategy(schedule="GPipe", chunks=2, balance=[1, 1, 2]), world_size, max_steps=1)
@@ -489,10 +489,11 @@ def _tuple_stage_rank(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.slow
-def test_a_stage_that_returns_a_tuple_is_named_and_its_peers_name_its_rank() -> None:
-    first, second, third = run_distributed(_tuple_stage_rank, 3, timeout_s=120)
+def test_a_stage_that_returns_a_dict_is_named_and_its_peers_name_its_rank() -> None:
+    first, second, third = run_distributed(_dict_stage_rank, 3, timeout_s=120)
     assert second == (
-        "TypeError: pipeline stage 1 returned tuple; the stages of strategy='pipeline' pass one tensor to the next"
+        "TypeError: pipeline stage 1 returned dict; the stages of strategy='pipeline' pass a tensor or a tuple of"
+        " tensors to the next"
     )
     # Rank 0 waits for stage 1's gradients, rank 2 for its activation; when rank 1 stops, gloo ends their waits with an
     # error, not a hang, and the strategy names the rank that stopped and its error, read from the store.
