@@ -26,6 +26,7 @@ __all__ = [
     "BALANCE_CHOICES",
     "BalanceChoice",
     "BalanceMethod",
+    "balance_argument",
     "balance_by_parameters",
     "balance_by_time",
     "choose_balance",
@@ -34,12 +35,56 @@ __all__ = [
     "layer_parameters",
     "layer_times",
     "split_costs",
+    "validate_balance",
 ]
 
 BalanceMethod = Literal["time", "memory", "parameters"]
 #: A balance asked for by name: a cost (:data:`BalanceMethod`), or ``"auto"`` (memory on CUDA, time elsewhere).
 BalanceChoice = Literal["auto", "time", "memory", "parameters"]
 BALANCE_CHOICES: tuple[BalanceChoice, ...] = ("auto", "time", "memory", "parameters")
+
+
+def balance_argument(balance: object) -> list[int] | BalanceChoice | None:
+    """A strategy's ``balance`` checked: ``None``, a list of positive ints, or a name in :data:`BALANCE_CHOICES`.
+
+    Raises:
+        ValueError: an unknown name, or a list entry below 1.
+        TypeError: neither a name nor a sequence of ints.
+    """
+    if isinstance(balance, str):
+        if balance not in BALANCE_CHOICES:
+            raise ValueError(
+                f"`balance` must be a list of ints, None or one of {list(BALANCE_CHOICES)}, got {balance!r}"
+            )
+        return balance
+    return None if balance is None else validate_balance(balance)
+
+
+def validate_balance(balance: object, num_layers: int | None = None, num_devices: int | None = None) -> list[int]:
+    """``balance`` as a list of positive ints, checked against the layers and devices when given.
+
+    With ``num_layers`` it must sum to the number of layers; with ``num_devices`` it must not be longer.
+
+    Raises:
+        TypeError: ``balance`` is not a sequence of ints.
+        ValueError: an entry below 1, a sum other than ``num_layers``, more partitions than ``num_devices``.
+    """
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+        raise TypeError(f"`balance` must be a list of ints (layers per partition), got {balance!r}")
+    if any(isinstance(b, bool) or not isinstance(b, int) for b in balance):
+        raise TypeError(f"`balance` must be a list of ints (layers per partition), got {list(balance)}")
+    if not balance or any(b < 1 for b in balance):
+        raise ValueError(f"`balance` must hold at least one partition of at least 1 layer each, got {list(balance)}")
+    if num_layers is not None and sum(balance) != num_layers:
+        raise ValueError(
+            f"`balance` {list(balance)} covers {sum(balance)} layers, but the nn.Sequential has {num_layers} layers"
+        )
+    if num_devices is not None and len(balance) > num_devices:
+        raise ValueError(
+            f"`balance` {list(balance)} has {len(balance)} partitions but there are only {num_devices} devices"
+            " (one partition per device): use fewer partitions or more devices"
+        )
+    return list(balance)
 
 
 def even_balance(num_layers: int, partitions: int) -> list[int]:

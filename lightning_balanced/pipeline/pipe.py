@@ -15,6 +15,7 @@ from lightning_balanced.arguments import check_int
 from lightning_balanced.data_parallel import infer_batch_size
 from lightning_balanced.data_parallel.stream_order import record_on
 from lightning_balanced.data_parallel.virtual_device import VirtualDeviceMode
+from lightning_balanced.pipeline.balance import validate_balance
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.checkpoint import Checkpointing
 from lightning_balanced.pipeline.dependency import depend
@@ -30,7 +31,6 @@ __all__ = [
     "CHECKPOINT_MODES",
     "Balancer",
     "Pipe",
-    "validate_balance",
     "validate_checkpoint",
     "validate_chunks",
 ]
@@ -51,33 +51,6 @@ def validate_checkpoint(checkpoint: object) -> CheckpointMode:
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"`checkpoint` must be one of {list(CHECKPOINT_MODES)}, got {checkpoint!r}")
     return checkpoint  # type: ignore[return-value]
-
-
-def validate_balance(balance: object, num_layers: int | None = None, num_devices: int | None = None) -> list[int]:
-    """``balance`` as a list of positive ints, checked against the layers and devices when given.
-
-    With ``num_layers`` it must sum to the number of layers; with ``num_devices`` it must not be longer.
-
-    Raises:
-        TypeError: ``balance`` is not a sequence of ints.
-        ValueError: an entry below 1, a sum other than ``num_layers``, more partitions than ``num_devices``.
-    """
-    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
-        raise TypeError(f"`balance` must be a list of ints (layers per partition), got {balance!r}")
-    if any(isinstance(b, bool) or not isinstance(b, int) for b in balance):
-        raise TypeError(f"`balance` must be a list of ints (layers per partition), got {list(balance)}")
-    if not balance or any(b < 1 for b in balance):
-        raise ValueError(f"`balance` must hold at least one partition of at least 1 layer each, got {list(balance)}")
-    if num_layers is not None and sum(balance) != num_layers:
-        raise ValueError(
-            f"`balance` {list(balance)} covers {sum(balance)} layers, but the nn.Sequential has {num_layers} layers"
-        )
-    if num_devices is not None and len(balance) > num_devices:
-        raise ValueError(
-            f"`balance` {list(balance)} has {len(balance)} partitions but there are only {num_devices} devices"
-            " (one partition per device): use fewer partitions or more devices"
-        )
-    return list(balance)
 
 
 class Pipe(nn.Sequential):

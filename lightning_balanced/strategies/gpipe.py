@@ -18,8 +18,14 @@ from typing_extensions import override
 from lightning_balanced.arguments import check_bool, check_module_name
 from lightning_balanced.data_parallel import virtual_devices
 from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
-from lightning_balanced.pipeline.balance import BALANCE_CHOICES, BalanceChoice, choose_balance, even_balance
-from lightning_balanced.pipeline.pipe import validate_balance, validate_checkpoint, validate_chunks
+from lightning_balanced.pipeline.balance import (
+    BalanceChoice,
+    balance_argument,
+    choose_balance,
+    even_balance,
+    validate_balance,
+)
+from lightning_balanced.pipeline.pipe import validate_checkpoint, validate_chunks
 from lightning_balanced.pipeline.sequential import find_sequential
 from lightning_balanced.progress_log import counted, rank_zero_report
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
@@ -112,14 +118,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if isinstance(balance, str):
-            if balance not in BALANCE_CHOICES:
-                raise ValueError(
-                    f"`balance` must be a list of ints, None or one of {list(BALANCE_CHOICES)}, got {balance!r}"
-                )
-            self.balance: list[int] | str | None = balance
-        else:
-            self.balance = None if balance is None else validate_balance(balance)
+        self.balance: list[int] | str | None = balance_argument(balance)
         self.chunks: int | None = None if chunks is None else validate_chunks(chunks)
         self.checkpoint = validate_checkpoint(checkpoint)
         self.deferred_batch_norm = check_bool("deferred_batch_norm", deferred_batch_norm)

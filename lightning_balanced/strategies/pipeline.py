@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
@@ -26,12 +27,18 @@ from typing_extensions import override
 from lightning_balanced.arguments import check_bool, check_int, check_module_name
 from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
 from lightning_balanced.nn.moments import Moments, combine_moments
-from lightning_balanced.pipeline.balance import even_balance
+from lightning_balanced.pipeline.balance import (
+    BalanceChoice,
+    balance_argument,
+    choose_balance,
+    even_balance,
+    layer_parameters,
+    split_costs,
+)
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.bubble import BusyTimer, bubble
 from lightning_balanced.pipeline.materialize import is_on_meta, materialize, materialize_layers
 from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_forward
-from lightning_balanced.pipeline.pipe import validate_balance
 from lightning_balanced.pipeline.recompute import recomputing
 from lightning_balanced.pipeline.sequential import find_sequential
 from lightning_balanced.pipeline.sharded_checkpoint import (
@@ -258,7 +265,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self,
         schedule: str | None = None,
         chunks: int = 4,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | BalanceChoice | None = None,
         stages_per_rank: int | None = None,
         pipeline_parallel_size: int | None = None,
         activation_checkpointing: bool = False,
@@ -296,7 +303,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             default_stages if stages_per_rank is None else check_int("stages_per_rank", stages_per_rank, minimum=1)
         )
         stage_indices(0, 1, self.stages_per_rank, self.schedule.placement)  # the schedule takes this many
-        self.balance = None if balance is None else validate_balance(balance)
+        self.balance = balance_argument(balance)
         self.pipeline_parallel_size = None
         if pipeline_parallel_size is not None:
             self.pipeline_parallel_size = check_int("pipeline_parallel_size", pipeline_parallel_size, minimum=1)
@@ -318,6 +325,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._loss_parameter_grads: list[Tensor | None] = []
         self._deferred: list[DeferredBatchNorm] = []  # this rank's stages' DeferredBatchNorm layers, found at setup
         self._built_on_meta = False  # the model came built on the meta device: each rank materializes its own stages
+        self._balance_method = "given"  # how the balance was chosen, for the report
 
     # ---- topology --------------------------------------------------------------------------------------------------
     @property
@@ -429,13 +437,17 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         sequential = find_sequential(module, self.module_name, "pipeline")
         p, k = self.pipeline_size, self.stages_per_rank
         num_stages = p * k
+        if not isinstance(self.balance, list) and len(sequential) < num_stages:
+            raise ValueError(
+                f"`{self.module_name}` has {len(sequential)} layers, fewer than the {num_stages} stages"
+                f" ({p} ranks x {k} stages per rank)"
+            )
+        self._balance_method = "given"
         if self.balance is None:
-            if len(sequential) < num_stages:
-                raise ValueError(
-                    f"`{self.module_name}` has {len(sequential)} layers, fewer than the {num_stages} stages"
-                    f" ({p} ranks x {k} stages per rank)"
-                )
             balance = even_balance(len(sequential), num_stages)
+            self._balance_method = "even by layer count"
+        elif isinstance(self.balance, str):
+            balance = self._chosen_balance(module, sequential, num_stages, self.balance)
         else:
             balance = list(self.balance)
             if len(balance) != num_stages:
@@ -461,6 +473,44 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._timer = BusyTimer(self.root_device) if self.log_bubble else None
         self._pipelined = _PipelinedSequential(sequential, self)
         setattr(module, self.module_name, self._pipelined)
+
+    def _chosen_balance(
+        self, module: pl.LightningModule, sequential: nn.Sequential, num_stages: int, choice: BalanceChoice
+    ) -> list[int]:
+        """``balance`` by name, with :func:`~lightning_balanced.pipeline.balance.choose_balance` as ``gpipe`` chooses.
+
+        ``"parameters"`` (and ``"auto"`` for a model on the meta device) from the layers' parameter counts, the same
+        on every rank. A measured cost (``"time"``, ``"memory"``, ``"auto"``) on the global rank 0, on its device, one
+        layer at a time with one micro-batch of the LightningModule's ``example_input_array``; every rank then uses
+        rank 0's balance (one ``broadcast_object_list``). ``"auto"`` without ``example_input_array`` counts parameters.
+        """
+        on_meta = is_on_meta(sequential)
+        example = getattr(module, "example_input_array", None)
+        if choice == "parameters" or (choice == "auto" and (on_meta or example is None)):
+            self._balance_method = "parameters" + (
+                "" if choice == "parameters" else " (no example_input_array)" if example is None else " (meta device)"
+            )
+            return split_costs(layer_parameters(list(sequential)), num_stages)
+        if on_meta:
+            raise ValueError(
+                f"`balance`={choice!r} measures each layer on a device, but `{self.module_name}` was built on the meta"
+                " device: use `balance='parameters'` or a list"
+            )
+        if example is None:
+            raise ValueError(
+                f"`balance`={choice!r} measures each layer on a micro-batch: set `example_input_array` on"
+                f" {type(module).__name__} (an input batch of the first stage), or use `balance='parameters'` or a list"
+            )
+        if choice == "memory" and self.root_device.type != "cuda":
+            raise ValueError(f"`balance`='memory' measures CUDA memory, but the device is {self.root_device}")
+        chosen: list[Any] = [None, None]
+        if self.global_rank == 0:
+            size = max(_first(example).shape[0] // self.chunks, 1)
+            micro = tuple(t[:size] for t in example) if isinstance(example, tuple) else example[:size]
+            chosen = list(choose_balance(list(sequential), micro, num_stages, self.root_device, choice))
+        dist.broadcast_object_list(chosen, src=0)
+        balance, self._balance_method = chosen
+        return list(balance)
 
     def _materialize_own_layers(self, module: pl.LightningModule, sequential: nn.Sequential, mine: list[int]) -> None:
         """A model built on the meta device: this rank's stages' layers, and what is outside the Sequential, get memory.
@@ -492,7 +542,8 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         lines = [
             f"pipeline: schedule {self.schedule.name}, {counted(self.chunks, 'micro-batch', 'micro-batches')},"
             f" {counted(len(self._balance), 'stage')} over {counted(self.pipeline_size, 'rank')} x"
-            f" {counted(self.data_parallel_size, 'data-parallel replica')}"
+            f" {counted(self.data_parallel_size, 'data-parallel replica')};"
+            f" balance {self._balance} ({self._balance_method})"
         ]
         start = 0
         for stage, size in enumerate(self._balance):
@@ -595,8 +646,20 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                 " `drop_last=True` for a short last batch)"
             )
         x, y = _to(x, self.root_device), y.to(self.root_device)
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
         with self._naming_a_lost_peer("a training step"):
-            return self._train_on(x, y, batch_size)
+            return self._train_on(x, y, batch_size, self._zeroes_gradients(batch_idx))
+
+    def _zeroes_gradients(self, batch_idx: int | None) -> bool:
+        """Whether Lightning's loop zeroes the gradients after this batch's ``training_step``.
+
+        So on the first batch of an accumulation window, with the default ``optimizer_zero_grad``: the last step's
+        gradients may go before the schedule runs, so a rank never holds two steps' gradients at once.
+        """
+        module = self.lightning_module
+        if module is None or batch_idx is None or is_overridden("optimizer_zero_grad", module):
+            return False
+        return batch_idx % module.trainer.accumulate_grad_batches == 0
 
     def _input_and_target(self, batch: Any) -> tuple[Activation, Tensor]:
         """The first stage's input(s) and the target: ``pipeline_batch(batch)`` where the LightningModule defines it."""
@@ -621,11 +684,13 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             f" `{BATCH_HOOK}(self, batch) -> (input, target)` on the LightningModule"
         )
 
-    def _train_on(self, x: Activation, y: Tensor, batch_size: int) -> Tensor:
+    def _train_on(self, x: Activation, y: Tensor, batch_size: int, zeroed: bool = False) -> Tensor:
         schedule = self._schedule_for(x)
         own, shared = self._own_parameters(), self._shared_parameters()
         trained = [*own, *shared]
-        previous = [param.grad for param in trained]
+        # What the schedule computes goes to `backward`; the gradients there now are put back after it, unless
+        # Lightning's loop is about to zero them (`zeroed`).
+        previous = [None if zeroed else param.grad for param in trained]
         for param in trained:
             param.grad = None
         self._micro_batch_losses = []
