@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from typing_extensions import override
@@ -108,6 +109,48 @@ class PeerFailureReporting(_StrategyBase):
             said = f" (the backend said: {text[0]})" if text else ""
             message = f"rank {self.global_rank} stopped: it lost its connection to another rank; {cause}{said}"
             _mark(exception, message)
+
+    @contextlib.contextmanager
+    def naming_a_lost_peer(self, what: str) -> Iterator[None]:
+        """A broken connection to another rank inside the block, raised as what it is: that rank stopped, named.
+
+        When a rank fails (an error, or killed), the ranks exchanging with it get a transport error from the backend
+        (gloo: ``Connection closed by peer``) instead of waiting out the process group's timeout. Each rank leaves its
+        reason in the store before its error leaves the block, so the rank that stopped first is named, in a
+        :class:`PeerStopped` that also says where (``what``: ``"a training step"``, ``"a barrier"``, ...). Other
+        errors pass unchanged. For collectives Lightning does not see fail inside ``fit`` (a checkpoint saved after
+        it, a barrier), where :meth:`on_exception` is not called.
+        """
+        try:
+            yield
+        except Exception as error:
+            lost = is_lost_connection(error)
+            notices = self._stop_notices
+            if notices is not None:
+                notices.report(error, lost=lost)
+            if not lost or isinstance(error, PeerStopped):
+                raise
+            cause = "another rank stopped" if notices is None else notices.who_stopped(range(self.world_size))
+            # a rank that raised printed its traceback; a killed one has none
+            where = " (its traceback is in that process's output)" if " stopped on " in cause else ""
+            text = str(error)
+            name = getattr(self, "strategy_name", type(self).__name__)
+            raise PeerStopped(
+                f"strategy='{name}': rank {self.global_rank} lost its connection to another rank in {what}: {cause}"
+                f"{where}. The backend said: {text.splitlines()[0] if text else type(error).__name__}"
+            ) from error
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """As the base strategy's; a peer lost meanwhile is named (:meth:`naming_a_lost_peer`)."""
+        with self.naming_a_lost_peer("a barrier" if name is None else f"a barrier ({name})"):
+            super().barrier(name)  # type: ignore[safe-super]  # the concrete strategy's
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """As the base strategy's; a peer lost meanwhile is named (:meth:`naming_a_lost_peer`)."""
+        with self.naming_a_lost_peer("a broadcast"):
+            return super().broadcast(obj, src)  # type: ignore[safe-super]  # the concrete strategy's
 
 
 def _mark(exception: BaseException, line: str) -> None:

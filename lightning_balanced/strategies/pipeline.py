@@ -56,7 +56,7 @@ from lightning_balanced.pipeline.stage_plan import (
 )
 from lightning_balanced.pipeline.stop_notices import StopNotices
 from lightning_balanced.progress_log import counted, rank_zero_report
-from lightning_balanced.strategies.peer_failure import PeerFailureReporting, PeerStopped, is_lost_connection
+from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
@@ -647,7 +647,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             )
         x, y = _to(x, self.root_device), y.to(self.root_device)
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-        with self._naming_a_lost_peer("a training step"):
+        with self.naming_a_lost_peer("a training step"):
             return self._train_on(x, y, batch_size, self._zeroes_gradients(batch_idx))
 
     def _zeroes_gradients(self, batch_idx: int | None) -> bool:
@@ -905,34 +905,8 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         in both directions post their sends in different orders there, which NCCL does not reorder.
         """
         chunks = self.chunks if self.schedule.placement == "single" or self.root_device.type == "cpu" else 1
-        with self._naming_a_lost_peer("a forward pass"):
+        with self.naming_a_lost_peer("a forward pass"):
             return self._pipelined_forward(x, chunks=chunks)
-
-    @contextmanager
-    def _naming_a_lost_peer(self, what: str) -> Iterator[None]:
-        """A broken connection to another rank, reported as what it is: that rank stopped, named with its reason.
-
-        When a rank fails (an error in its stage, or killed), the ranks exchanging with it get a transport error from
-        the backend (gloo: ``Connection closed by peer``) instead of waiting out the process group's timeout. Each
-        rank leaves its reason in the store (:class:`~lightning_balanced.pipeline.stop_notices.StopNotices`) before
-        its error leaves the step, so the rank that stopped first is named.
-        """
-        try:
-            yield
-        except Exception as error:
-            text = str(error)
-            lost = is_lost_connection(error)
-            notices = self._stop_notices
-            if notices is not None:
-                notices.report(error, lost=lost)
-            if not lost:
-                raise
-            cause = "another rank stopped" if notices is None else notices.who_stopped(range(self.world_size))
-            raise PeerStopped(
-                f"strategy='pipeline': rank {self.global_rank} lost its connection to another rank in {what}: {cause}"
-                f" (its traceback is in that process's output). The backend said:"
-                f" {text.splitlines()[0] if text else type(error).__name__}"
-            ) from error
 
     # ---- gradient clipping -----------------------------------------------------------------------------------------
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
@@ -942,7 +916,8 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         local = torch.zeros((), dtype=torch.float64, device=self.root_device)
         for grad in [*grads, *(shared if self.pipeline_rank == 0 else [])]:
             local += grad.detach().double().pow(2).sum().to(local.device)
-        dist.all_reduce(local, group=self._pp_group)
+        with self.naming_a_lost_peer("clipping the gradients"):
+            dist.all_reduce(local, group=self._pp_group)
         grads += shared
         total = math.sqrt(local.item())
         coefficient = clip_val / (total + 1e-6)
@@ -955,8 +930,12 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         """Every stage's parameters and buffers from the rank that trains it to every rank of the pipeline."""
         if self._pp_group is None or self._pipelined is None or not dist.is_initialized():
             return
+        with self.naming_a_lost_peer("sharing the stages"):
+            self._broadcast_stages()
+
+    def _broadcast_stages(self) -> None:
         sequential = self._pipelined
-        assert sequential is not None
+        assert sequential is not None and self._pp_group is not None
         start = 0
         for stage, size in enumerate(self._balance):
             source = dist.get_global_rank(self._pp_group, self._owners[stage])
@@ -1024,7 +1003,8 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         own_state: dict[int, Any] = state["state"]  # type: ignore[assignment]
         local = {index: _to_host(value) for index, value in own_state.items()}
         gathered: list[dict[int, Any] | None] = [None] * self.pipeline_size
-        dist.all_gather_object(gathered, local, group=self._pp_group)
+        with self.naming_a_lost_peer("gathering the optimizer state"):
+            dist.all_gather_object(gathered, local, group=self._pp_group)
         merged: dict[int, Any] = {}
         for part in gathered:
             merged.update(part or {})
@@ -1044,18 +1024,19 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                 "`PipelineStrategy.save_checkpoint(..., storage_options=...)` is not supported with"
                 " `save_distributed_checkpoint=True`: the shards are written by torch.distributed.checkpoint"
             )
-        path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero and path.is_file():
-            path.unlink()  # a full checkpoint of an earlier run under the same name
-        self.barrier("pipeline.save_checkpoint")
-        with self._naming_a_lost_peer("saving a checkpoint"):
+        with self.naming_a_lost_peer("saving a checkpoint"):
+            path = Path(self.broadcast(str(filepath)))
+            if self.is_global_zero and path.is_file():
+                path.unlink()  # a full checkpoint of an earlier run under the same name
+            self.barrier("pipeline.save_checkpoint")
             save_sharded_checkpoint(path, checkpoint, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """A sharded checkpoint: this rank's stages' weights and optimizer states, loaded here (any pipeline size,
         balance or schedule can have written it). A file: Lightning's checkpoint, loaded as usual."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        with self.naming_a_lost_peer("loading a checkpoint"):
+            path = Path(self.broadcast(str(checkpoint_path)))
         self._loaded_sharded = is_sharded_checkpoint(path)
         if not self._loaded_sharded:
             return super().load_checkpoint(checkpoint_path, *args, **kwargs)
@@ -1066,7 +1047,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         names = self._parameter_names()
         own = {id(p) for p in [*self._own_parameters(), *self._loss_parameters]}
         optimizers = [(optimizer, {i: n for i, n in names.items() if i in own}) for optimizer in self.optimizers]
-        with self._naming_a_lost_peer("loading a checkpoint"):
+        with self.naming_a_lost_peer("loading a checkpoint"):
             return load_sharded_checkpoint(path, tensors, optimizers)
 
     @override
