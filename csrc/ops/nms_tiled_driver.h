@@ -6,6 +6,11 @@
 // Fixed shapes and no host sync: the number of tiles depends on N only, the counts stay on the device, and
 // the kept indices go to a [B, capacity] output filled with -1. The unpadded ops read the counts back once
 // (tiled_nms); batched_nms also reads the class sizes before.
+//
+// Up to `small_rows` boxes per image (4096 on the GPU, when its shared memory allows: nms_small.h), one launch
+// does everything instead (run_small): the host allocates the output, launches, and (nms, batched_nms) reads the
+// kept count. `Launch::library` marks each host-side torch op (an allocation, a sort, a gather, a read to the
+// host), so the cost model counts them next to the launches.
 
 #pragma once
 
@@ -26,6 +31,7 @@
 #include <tuple>
 #include <utility>
 
+#include "ops/nms_small.h"
 #include "ops/nms_tiled.h"
 
 namespace lightning_balanced::nms_tiled {
@@ -158,7 +164,9 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
                     " MiB of scratch memory, over the limit of ", (kMaxScratchBytes >> 20), " MiB per call (about ",
                     kMaxScratchBytes / scratch_bytes(1, is_double ? 8 : 4, tile_rows), " boxes); split the input");
   const auto longs = in.boxes.options().dtype(at::kLong);
+  Launch::library(batch * in.capacity);  // the output, filled with -1
   at::Tensor keep = at::full({batch, in.capacity}, -1, longs);
+  Launch::library(batch * kCounters);
   at::Tensor counters = at::zeros({batch, kCounters}, longs);
   if (n == 0 || batch == 0) return {keep, counters};
 
@@ -175,6 +183,11 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
     super_blocks *= 2;
   }
   const int64_t words = num_words(n), supers = num_supers(n, super_blocks);
+  Launch::library(batch * n);  // sorted_boxes, tile_kept, and the optional arrays (sorted_classes, padding, codes)
+  Launch::library(batch * tile_rows);
+  for (const bool used : {by_class, in.padded, tiled}) {
+    if (used) Launch::library(batch * n);
+  }
   at::Tensor sorted_boxes = at::empty({batch, n, 4}, in.boxes.options().dtype(compute));
   at::Tensor sorted_classes = by_class ? at::empty({batch, n}, longs) : at::Tensor();
   at::Tensor padding = in.padded ? at::empty({batch, n}, longs.dtype(at::kByte)) : at::Tensor();
@@ -208,13 +221,17 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
     if (tiled) {
       Launch::library(batch * n);  // the sort by Morton code
       at::Tensor spatial_order = std::get<1>(codes.sort(/*stable=*/true, /*dim=*/1, /*descending=*/false));
-      if (by_class) {  // class-major, Morton order within a class
+      if (by_class) {  // class-major, Morton order within a class: a gather, a sort, a gather
+        Launch::library(batch * n);
+        Launch::library(batch * n);
         Launch::library(batch * n);
         const at::Tensor by_position = sorted_classes.gather(1, spatial_order);
         spatial_order = spatial_order.gather(1, std::get<1>(by_position.sort(true, 1, false)));
       }
       spatial_order = spatial_order.contiguous();
       codes.reset();  // freed before the tile masks, the largest array
+      // position, boxes, classes, the block and super-block regions and classes, removed (zero-filled)
+      for (int k = 0; k < (by_class ? 8 : 7); ++k) Launch::library(batch * n);
       position = at::empty({batch, n}, longs);
       boxes = at::empty({batch, n, 4}, sorted_boxes.options());
       classes = by_class ? at::empty({batch, n}, longs) : at::Tensor();
@@ -238,6 +255,7 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
       Launch::each(batch, supers, SuperStep<T>{im, tile_rows});
     }
     const int64_t mask_entries = padded_rows(n, tile_rows) * tile_words(tile_rows);
+    Launch::library(batch * mask_entries);
     const at::Tensor tile_masks = at::empty({batch, mask_entries}, longs);
     im.tile_masks = reinterpret_cast<uint64_t*>(tile_masks.mutable_data_ptr<int64_t>());
     const T thr = static_cast<T>(in.iou_threshold), off = static_cast<T>(in.offset);
@@ -255,10 +273,48 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
   return {keep, counters};
 }
 
+// The single-launch path (nms_small.h): B images of n boxes (n <= kSmallMaxRows), one CTA each. The caller
+// allocates the outputs: keep [B, keep_stride] (its first `capacity` slots of a row are written), and optionally
+// counters [B, kCounters] and num_kept [B] (the padded op's result, -1 for an image with a non-finite value).
+template <typename Launch>
+void run_small(const TiledInput& in, at::Tensor& keep, int64_t keep_stride, int64_t* counters, int64_t* num_kept) {
+  const int64_t batch = in.boxes.size(0), n = in.boxes.size(1);
+  const bool by_class = in.classes.defined();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.boxes.scalar_type(), "lightning_balanced_nms_small", [&] {
+    using T = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const SmallArgs<T, scalar_t> args{n,
+                                      in.capacity,
+                                      ImageInput<scalar_t>{in.boxes.const_data_ptr<scalar_t>(), in.boxes.stride(1),
+                                                           in.boxes.stride(2), in.scores.const_data_ptr<scalar_t>(),
+                                                           in.scores.stride(1),
+                                                           by_class ? in.classes.const_data_ptr<int64_t>() : nullptr,
+                                                           in.padded},
+                                      in.boxes.stride(0),
+                                      in.scores.stride(0),
+                                      keep.mutable_data_ptr<int64_t>(),
+                                      keep_stride,
+                                      counters,
+                                      num_kept,
+                                      static_cast<T>(in.iou_threshold),
+                                      static_cast<T>(in.offset)};
+    Launch::template small<T, scalar_t>(args, batch, small_shared_bytes(n, sizeof(T), by_class));
+  });
+}
+
+// Whether B images of n boxes take the single-launch path: at most `small_rows` boxes, and the CTA's shared memory
+// within what the device grants (Launch::small_shared_limit).
+template <typename Launch>
+bool takes_small_path(const TiledInput& in, int64_t small_rows) {
+  const int64_t n = in.boxes.size(1);
+  const int64_t value_bytes = in.boxes.scalar_type() == at::kDouble ? 8 : 4;
+  return n > 0 && in.boxes.size(0) > 0 && n <= small_rows && n <= kSmallMaxRows &&
+         small_shared_bytes(n, value_bytes, in.classes.defined()) <= Launch::small_shared_limit();
+}
+
 // The unpadded ops' result: the kept indices of the single image, after one read of its counters (the only
 // sync), or the error of a NaN or infinite value.
 inline at::Tensor kept_indices(const char* op, const at::Tensor& keep, const at::Tensor& counters) {
-  const at::Tensor host = counters[0].to(at::kCPU);
+  const at::Tensor host = counters[0].to(at::kCPU);  // the callers count this read as a host-side op
   const int64_t* c = host.const_data_ptr<int64_t>();
   TORCH_CHECK_VALUE(c[kBadScore] == 0, op, ": scores must be finite (no NaN or infinity)");
   TORCH_CHECK_VALUE(c[kBadBox] == 0, op, ": box coordinates must be finite (no NaN or infinity)");
@@ -279,9 +335,27 @@ constexpr int64_t kMaxImages = 65535;  // a CUDA grid's y dimension: one row of 
 
 template <typename Launch>
 at::Tensor tiled_nms(const char* op, const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& classes,
-                     double iou_threshold, int64_t offset, int tile_rows, int64_t propagate_warps) {
+                     double iou_threshold, int64_t offset, int tile_rows, int64_t propagate_warps,
+                     int64_t small_rows = kSmallMaxRows) {
   const int64_t n = boxes.size(0);
   if (n == 0) return at::empty({0}, boxes.options().dtype(at::kLong));
+  {  // up to small_rows boxes, classes or not: one allocation (the kept indices, then the counters), one launch,
+     // one read of the counters
+    const TiledInput input{boxes.unsqueeze(0),
+                           scores.unsqueeze(0),
+                           classes.defined() ? classes.unsqueeze(0).contiguous() : at::Tensor(),
+                           iou_threshold,
+                           offset,
+                           /*padded=*/false,
+                           /*capacity=*/n};
+    if (takes_small_path<Launch>(input, small_rows)) {
+      Launch::library(n + kCounters);
+      at::Tensor out = at::empty({1, n + kCounters}, boxes.options().dtype(at::kLong));
+      run_small<Launch>(input, out, n + kCounters, out.mutable_data_ptr<int64_t>() + n, nullptr);
+      Launch::library(kCounters);  // the read of the counters, the one sync
+      return kept_indices(op, out.narrow(1, 0, n), out.narrow(1, n, kCounters));
+    }
+  }
   const auto one_chain = [&] {
     const TiledInput input{boxes.unsqueeze(0),
                            scores.unsqueeze(0),
@@ -291,6 +365,7 @@ at::Tensor tiled_nms(const char* op, const at::Tensor& boxes, const at::Tensor& 
                            /*padded=*/false,
                            /*capacity=*/n};
     const auto [keep, counters] = run_tiled<Launch>(op, input, tile_rows, propagate_warps);
+    Launch::library(kCounters);  // the read of the counters, the one sync
     return kept_indices(op, keep, counters);
   };
   if (!classes.defined()) return one_chain();
@@ -338,6 +413,7 @@ at::Tensor tiled_nms(const char* op, const at::Tensor& boxes, const at::Tensor& 
   // The classes' counters summed, read once; a real score of -inf, taken for padding above, counts as bad.
   const at::Tensor totals = counters.sum(0);
   totals.select(0, kBadScore).add_(at::isinf(scores).any());
+  Launch::library(kCounters);  // the read of the counters
   return kept_indices(op, order.index_select(0, kept_first).unsqueeze(0), totals.unsqueeze(0));
 }
 
@@ -348,6 +424,25 @@ inline std::tuple<at::Tensor, at::Tensor> padded_result(at::Tensor keep, const a
   const at::Tensor num_kept = counters.select(1, kKept).clamp_max(keep.size(1)).masked_fill(bad, -1);
   keep.masked_fill_(bad.unsqueeze(1), -1);
   return {keep, num_kept};
+}
+
+// batched_nms_padded: (keep [B, capacity], num_kept [B]), sync-free. Up to small_rows boxes per image, one launch
+// (one CTA per image) writes both outputs; the host allocates them and does nothing else. Above, the tiled chain.
+template <typename Launch>
+std::tuple<at::Tensor, at::Tensor> padded_nms(const TiledInput& in, const char* op, int tile_rows,
+                                              int64_t propagate_warps, int64_t small_rows = kSmallMaxRows) {
+  if (takes_small_path<Launch>(in, small_rows)) {
+    const int64_t batch = in.boxes.size(0);
+    const auto longs = in.boxes.options().dtype(at::kLong);
+    Launch::library(batch * in.capacity);
+    at::Tensor keep = at::empty({batch, in.capacity}, longs);
+    Launch::library(batch);
+    at::Tensor num_kept = at::empty({batch}, longs);
+    run_small<Launch>(in, keep, in.capacity, nullptr, num_kept.mutable_data_ptr<int64_t>());
+    return {keep, num_kept};
+  }
+  const auto [keep, counters] = run_tiled<Launch>(op, in, tile_rows, propagate_warps);
+  return padded_result(keep, counters);
 }
 
 }  // namespace lightning_balanced::nms_tiled

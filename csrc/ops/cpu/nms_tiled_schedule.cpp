@@ -21,8 +21,9 @@ namespace {
 
 using namespace lightning_balanced::nms_tiled;
 
-// The cost model of one call: a row per launch the GPU would make, (kind, parallel width, serial depth).
-enum StepKind : int64_t { kStepKernel = 0, kTileKernel = 1, kTorchOp = 2 };
+// The cost model of one call: a row per launch the GPU would make, (kind, parallel width, serial depth), and a row
+// per host-side torch op (an allocation, a sort, a gather, the read of the counters; width: its elements, depth 0).
+enum StepKind : int64_t { kStepKernel = 0, kTileKernel = 1, kTorchOp = 2, kSmallKernel = 3 };
 thread_local std::vector<int64_t>* recorded_steps = nullptr;
 
 void record(StepKind kind, int64_t width, int64_t depth) {
@@ -52,7 +53,47 @@ struct HostWarp {
   void leader_or(uint64_t* word, uint64_t bits) const { *word |= bits; }
 };
 
+// The `Cta` of nms_small.h: a phase runs its threads one after another and adds its deepest thread's serial steps,
+// plus one for the barrier, to `depth`.
+struct HostCta {
+  static constexpr int kThreads = kSmallThreads;
+  int64_t* depth;
+  template <typename F>
+  void each(const F& f) const {
+    int64_t deepest = 0;
+    for (int t = 0; t < kThreads; ++t) {
+      serial_steps() = 0;
+      f(t);
+      deepest = std::max(deepest, serial_steps());
+    }
+    *depth += deepest + 1;
+  }
+  template <typename F>
+  void warp0(uint64_t* out, const F& f) const {
+    serial_steps() = 0;
+    *out = f(HostWarp{});
+    *depth += serial_steps() + 1;
+  }
+};
+
 struct HostLaunch {
+  // The emulation models an H100's opt-in shared memory per block.
+  static int64_t small_shared_limit() { return kSmallSharedLimitSm90; }
+
+  // small_kernel of cuda/nms_kernel.cu: one CTA per image, its shared memory a host buffer.
+  template <typename T, typename scalar_t>
+  static void small(const SmallArgs<T, scalar_t>& args, int64_t batch, int64_t shared_bytes) {
+    if (batch == 0) return;
+    std::vector<uint64_t> shared(static_cast<size_t>(shared_bytes + 7) / 8);
+    int64_t depth = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t image_depth = 0;
+      small_nms(args, b, reinterpret_cast<unsigned char*>(shared.data()), HostCta{&image_depth});
+      depth = std::max(depth, image_depth);
+    }
+    record(kSmallKernel, batch * kSmallThreads, depth);
+  }
+
   template <typename F>
   static void each(int64_t batch, int64_t count, const F& step) {
     if (count == 0 || batch == 0) return;
@@ -121,7 +162,9 @@ struct HostLaunch {
   }
 };
 
-void check_schedule_sizes(const char* op, int64_t tile_rows, int64_t propagate_warps) {
+void check_schedule_sizes(const char* op, int64_t tile_rows, int64_t propagate_warps, int64_t small_rows) {
+  TORCH_CHECK_VALUE(small_rows >= 0 && small_rows <= kSmallMaxRows, op, ": small_rows must be in [0, ",
+                    kSmallMaxRows, "], got ", small_rows);
   TORCH_CHECK_VALUE(tile_rows > 0 && tile_rows % kWordBits == 0 && tile_rows <= 4096, op,
                     ": tile_rows must be a multiple of 64 in [64, 4096], got ", tile_rows);
   TORCH_CHECK_VALUE(propagate_warps > 0, op, ": propagate_warps must be positive, got ", propagate_warps);
@@ -144,11 +187,11 @@ class Recording {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
     const at::Tensor& boxes, const at::Tensor& scores, const std::optional<at::Tensor>& idxs, double iou_threshold,
-    int64_t offset, bool padded, int64_t capacity, int64_t tile_rows, int64_t propagate_warps) {
+    int64_t offset, bool padded, int64_t capacity, int64_t tile_rows, int64_t propagate_warps, int64_t small_rows) {
   constexpr const char* op = "_nms_tiled_schedule";
   lightning_balanced::check_padded_args(op, boxes, scores, idxs, iou_threshold, capacity, offset);
   TORCH_CHECK_VALUE(boxes.device().is_cpu(), op, ": the CPU kernel got tensors on ", boxes.device());
-  check_schedule_sizes(op, tile_rows, propagate_warps);
+  check_schedule_sizes(op, tile_rows, propagate_warps, small_rows);
   const TiledInput input{boxes,
                          scores,
                          idxs.has_value() ? lightning_balanced::idxs_as_int64(*idxs).contiguous() : at::Tensor(),
@@ -157,6 +200,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
                          padded,
                          capacity};
   const Recording recording;
+  if (takes_small_path<HostLaunch>(input, small_rows)) {
+    // As padded_nms (nms_tiled_driver.h): the outputs keep and, padded, num_kept (host ops); the raw counters too,
+    // for the tests, not counted. num_kept is checked against the counters here.
+    const int64_t batch = boxes.size(0);
+    const auto longs = boxes.options().dtype(at::kLong);
+    HostLaunch::library(batch * capacity);
+    at::Tensor keep = at::empty({batch, capacity}, longs);
+    HostLaunch::library(batch);
+    at::Tensor num_kept = at::empty({batch}, longs);
+    at::Tensor counters = at::empty({batch, kCounters}, longs);
+    run_small<HostLaunch>(input, keep, capacity, counters.mutable_data_ptr<int64_t>(),
+                          padded ? num_kept.mutable_data_ptr<int64_t>() : nullptr);
+    for (int64_t b = 0; b < batch && padded; ++b) {
+      const int64_t* c = counters.const_data_ptr<int64_t>() + b * kCounters;
+      const int64_t expected = c[kBadScore] + c[kBadBox] > 0 ? -1 : std::min(c[kKept], capacity);
+      TORCH_INTERNAL_ASSERT(num_kept.const_data_ptr<int64_t>()[b] == expected, op, ": image ", b, " num_kept ",
+                            num_kept.const_data_ptr<int64_t>()[b], ", expected ", expected);
+    }
+    return {keep, counters, recording.steps()};
+  }
   const auto [keep, counters] = run_tiled<HostLaunch>(op, input, static_cast<int>(tile_rows), propagate_warps);
   return {keep, counters, recording.steps()};
 }
@@ -164,11 +227,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
 // `_nms_tiled`: what the CUDA nms (idxs None) and batched_nms run, classes as independent chains included.
 std::tuple<at::Tensor, at::Tensor> nms_tiled_cpu(const at::Tensor& boxes, const at::Tensor& scores,
                                                  const std::optional<at::Tensor>& idxs, double iou_threshold,
-                                                 int64_t offset, int64_t tile_rows, int64_t propagate_warps) {
+                                                 int64_t offset, int64_t tile_rows, int64_t propagate_warps,
+                                                 int64_t small_rows) {
   constexpr const char* op = "_nms_tiled";
   lightning_balanced::check_nms_args(op, boxes, scores, iou_threshold, offset);
   TORCH_CHECK_VALUE(boxes.device().is_cpu(), op, ": the CPU kernel got tensors on ", boxes.device());
-  check_schedule_sizes(op, tile_rows, propagate_warps);
+  check_schedule_sizes(op, tile_rows, propagate_warps, small_rows);
   at::Tensor classes;
   if (idxs.has_value()) {
     lightning_balanced::check_idxs_arg(boxes, *idxs);
@@ -176,7 +240,7 @@ std::tuple<at::Tensor, at::Tensor> nms_tiled_cpu(const at::Tensor& boxes, const 
   }
   const Recording recording;
   const at::Tensor keep = tiled_nms<HostLaunch>(op, boxes, scores, classes, iou_threshold, offset,
-                                                static_cast<int>(tile_rows), propagate_warps);
+                                                static_cast<int>(tile_rows), propagate_warps, small_rows);
   return {keep, recording.steps()};
 }
 

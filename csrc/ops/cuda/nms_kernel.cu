@@ -6,6 +6,11 @@
 // and gives the warp-level code its real warp (DeviceWarp). The same steps run on the CPU in the
 // private op `_nms_tiled_schedule` (cpu/nms_tiled_schedule.cpp), which the tests compare with the reference.
 //
+// Up to 4096 boxes per image (when the device's opt-in shared memory holds them), one launch instead: small_kernel,
+// one CTA of 1024 threads per image sorting, resolving and compacting in shared memory (ops/nms_small.h); nms and
+// batched_nms then issue one allocation, that launch and the read of the kept count, batched_nms_padded two
+// allocations and the launch. Not yet run on a GPU (issue 40): checked through the emulation and compiled only.
+//
 // Same semantics and arithmetic as the CPU kernel (cpu/nms_kernel.cpp); every operation uses the
 // round-to-nearest intrinsics, so the result matches the float32/float64 reference bit for bit. The keep
 // pass runs on the device: nms reads back one small array of counters (its only sync), batched_nms also the
@@ -76,6 +81,34 @@ __global__ void warp_kernel(F step, int64_t warps) {
   if (i / 32 < warps) step(blockIdx.y, i / 32, DeviceWarp{static_cast<int>(i % 32)});  // whole warps only
 }
 
+// The `Cta` of nms_small.h on the real CTA: this thread's index; each phase ends in a barrier that every thread
+// reaches (the phases are called CTA-uniformly).
+struct DeviceCta {
+  static constexpr int kThreads = kSmallThreads;
+  int t;
+  template <typename F>
+  __device__ void each(const F& f) const {
+    f(t);
+    __syncthreads();
+  }
+  template <typename F>
+  __device__ void warp0(uint64_t* out, const F& f) const {
+    if (t < 32) {
+      const uint64_t value = f(DeviceWarp{t});
+      if (t == 0) *out = value;
+    }
+    __syncthreads();
+  }
+};
+
+// The single-launch NMS (nms_small.h): one CTA of kSmallThreads per image (blockIdx.y), everything in dynamic
+// shared memory.
+template <typename T, typename scalar_t>
+__global__ void __launch_bounds__(kSmallThreads) small_kernel(SmallArgs<T, scalar_t> args) {
+  extern __shared__ __align__(16) unsigned char small_smem[];
+  small_nms(args, blockIdx.y, small_smem, DeviceCta{static_cast<int>(threadIdx.x)});
+}
+
 // Step 1 of one tile (one CTA of kRows threads per image): load, then for each 64-row block in order, warp 0
 // resolves the block in rounds and every thread ORs its kept row's suppression of later blocks into
 // `suppressed` (a warp-wide OR, then one shared atomic per warp); then each row is marked decided and the kept
@@ -116,6 +149,28 @@ __global__ void __launch_bounds__(kRows) tile_kernel(Image<T> batch, int64_t fir
 
 struct CudaLaunch {
   static void library(int64_t) {}  // a torch op: only the emulation counts it
+
+  // The current device's opt-in limit of dynamic shared memory per block (227 KiB on sm_90, 163 KiB on sm_80,
+  // 99 KiB on sm_86/89): a host query of a device attribute, no stream operation.
+  static int64_t small_shared_limit() {
+    int device = 0, limit = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return limit;
+  }
+
+  template <typename T, typename scalar_t>
+  static void small(const SmallArgs<T, scalar_t>& args, int64_t batch, int64_t shared_bytes) {
+    if (batch == 0) return;
+    const auto kernel = small_kernel<T, scalar_t>;
+    if (shared_bytes > 48 * 1024) {  // over the default limit: opt in (a function attribute, not a stream operation)
+      C10_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
+    }
+    const dim3 grid(1, static_cast<unsigned>(batch));
+    kernel<<<grid, kSmallThreads, static_cast<size_t>(shared_bytes), c10::cuda::getCurrentCUDAStream()>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 
   template <typename F>
   static void each(int64_t batch, int64_t count, const F& step) {
@@ -182,8 +237,7 @@ std::tuple<at::Tensor, at::Tensor> batched_nms_padded_cuda(const at::Tensor& box
                          offset,
                          /*padded=*/true,
                          max_output};
-  const auto [keep, counters] = run_tiled<CudaLaunch>(op, input, kTileRows, kPropagateWarps);
-  return padded_result(keep, counters);
+  return padded_nms<CudaLaunch>(input, op, kTileRows, kPropagateWarps);
 }
 
 }  // namespace
