@@ -7,7 +7,7 @@ events, medians:
   ``BalancedDataParallelStrategy(parallel_devices=[cuda:0] * 2, gpu0_bsz=96)``, two replicas on the one GPU, each on
   its own stream, against the same step on one device (``Trainer(devices=1)``), the anchor. Step time is from
   ``on_train_batch_start`` to ``on_train_batch_end`` (CUDA events), the first steps being warm-up.
-* ``gpipe``: :class:`~lightning_balanced.pipeline.Pipe` over two partitions on the one GPU (``[cuda:0, cuda:0]``,
+* ``gpipe``: :class:`~lightning_balanced.gpipe.Pipe` over two partitions on the one GPU (``[cuda:0, cuda:0]``,
   chunks 4, ``checkpoint="except_last"``) against the unpipelined ``nn.Sequential`` (an MLP, depth 32, width 1024,
   batch 2048): SGD step time and the peak memory a step adds (``torch.cuda.max_memory_allocated``).
 
@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import BalancedDataParallelStrategy
-from lightning_balanced.pipeline import Pipe
+from lightning_balanced.gpipe import Pipe
 
 
 class Clock:

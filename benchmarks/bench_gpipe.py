@@ -4,7 +4,7 @@ A deep MLP (``--depth`` blocks of ``Linear(width, width) + ReLU``, then a ``Line
 batch of ``--batch-size`` random samples (MSE loss), either
 
   * ``unpipelined``: the plain ``nn.Sequential`` on one thread: the anchor;
-  * ``gpipe``: :class:`~lightning_balanced.pipeline.Pipe` over ``--partitions`` CPU partitions (one worker thread
+  * ``gpipe``: :class:`~lightning_balanced.gpipe.Pipe` over ``--partitions`` CPU partitions (one worker thread
     each, the ``Trainer(accelerator="cpu", devices=N, strategy="gpipe")`` path), for chunks 1/4/8 with
     ``checkpoint="never"``, ``"except_last"`` and ``"always"``.
 
@@ -59,7 +59,7 @@ def make(args: argparse.Namespace, chunks: int, checkpoint: str) -> tuple[nn.Mod
     """The model (``chunks=0``: unpipelined) and its optimizer."""
     model: nn.Module = build(args.depth, args.width)
     if chunks:
-        from lightning_balanced.pipeline import Pipe
+        from lightning_balanced.gpipe import Pipe
 
         layers = len(model)
         first = layers // args.partitions + layers % args.partitions

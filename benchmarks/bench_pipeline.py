@@ -11,7 +11,7 @@ schedules have a weight pass to move into the bubble. For each schedule the inst
 * ``bubble``: the median of the strategy's own telemetry, ``pipeline/bubble`` (the mean idle fraction over the ranks),
   beside the schedule's formula ``(p - 1) / (v * m + p - 1)`` (none for the zero-bubble schedules);
 * ``stage0_saved``: the peak bytes stage 0's rank held for backward within a step
-  (:class:`~lightning_balanced.pipeline.saved_bytes.SavedTensorBytes`, parameters and the batch left out).
+  (:class:`~lightning_balanced.pipelining.saved_bytes.SavedTensorBytes`, parameters and the batch left out).
 
 Ratios are against GPipe (the anchor: every micro-batch's forward, then every backward) measured in the same run.
 
@@ -56,8 +56,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import PipelineStrategy
-from lightning_balanced.pipeline.saved_bytes import SavedTensorBytes
-from lightning_balanced.pipeline.stage_plan import SCHEDULES
+from lightning_balanced.pipelining.saved_bytes import SavedTensorBytes
+from lightning_balanced.pipelining.stage_plan import SCHEDULES
 
 WIDTH = 64
 LAYERS_PER_RANK = 2

@@ -3,10 +3,10 @@
 The digits job (scikit-learn's 8x8 digits, a conv-BatchNorm CNN, float64) trains with Adam (lr 1e-3, betas (0.9,
 0.999), eps 1e-8, tuned at batch 32) under ``strategy="ddp"`` on 1, 2 and 4 spawned gloo CPU processes at per-device
 batch 32, so the effective batch is 32, 64 and 128 (``kappa`` = 1, 2, 4). The config is the same apart from
-``devices``: a :class:`~lightning_balanced.scale_invariance.ScaleInvariance` callback with ``reference_batch_size=32``
-and a linear warmup over the first 512 samples (on every scale, 1 process included), under each policy
-(``--per-device-batch 4`` runs the same at batch 4, 8 and 16, the reference following it: batches well below the
-gradient noise scale; ``--policies`` picks some):
+``devices``: a :class:`~lightning_balanced.batch_scaling.scale_invariance.ScaleInvariance` callback with
+``reference_batch_size=32`` and a linear warmup over the first 512 samples (on every scale, 1 process included), under
+each policy (``--per-device-batch 4`` runs the same at batch 4, 8 and 16, the reference following it: batches well
+below the gradient noise scale; ``--policies`` picks some):
 
 * ``adam_sde+ema``: the SDE rule for Adam (lr x sqrt(kappa), 1 - beta x kappa, eps / sqrt(kappa); Malladi et al.,
   NeurIPS 2022) and the EMA rule for BatchNorm's momentum (Busbridge et al., NeurIPS 2023);
@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_balanced.scale_invariance import ScaleInvariance
+from lightning_balanced.batch_scaling.scale_invariance import ScaleInvariance
 
 PER_DEVICE_BATCH = 32
 CHECKPOINT_SAMPLES = 512

@@ -5,6 +5,7 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 ``Trainer(strategy="pipeline")`` work.
 """
 
+from lightning_balanced.batch_scaling.lr_scaling import unscale_learning_rates
 from lightning_balanced.data_parallel import (
     AutoSplit,
     ChunkSizes,
@@ -15,7 +16,6 @@ from lightning_balanced.data_parallel import (
     plan_chunk_sizes,
 )
 from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset, coco_map, postprocess_detections
-from lightning_balanced.lr_scaling import unscale_learning_rates
 from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
 from lightning_balanced.strategies import (
     BalancedDataParallelStrategy,

@@ -18,7 +18,7 @@ from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.cli import LightningBalancedCLI
 from lightning_balanced.data_parallel import SplitPolicy, even_split
 from lightning_balanced.entry_points import ENTRY_POINT_GROUP
-from lightning_balanced.pipeline.stage_plan import SCHEDULES
+from lightning_balanced.pipelining.stage_plan import SCHEDULES
 from tests.fake_distribution import write_distribution
 from tests.helpers import ON_CPU
 

@@ -14,7 +14,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from torch import nn
 
 from lightning_balanced import GPipeStrategy
-from lightning_balanced.pipeline import Pipe
+from lightning_balanced.gpipe import Pipe
 from tests.helpers import ON_CPU
 from tests.test_examples import EXAMPLES, _load_example
 

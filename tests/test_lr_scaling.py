@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch.optim import SGD, AdamW, Optimizer
 from torch.optim import lr_scheduler as sched
 
-from lightning_balanced.callbacks import stored_lr_scale_factors
-from lightning_balanced.lr_scaling import (
+from lightning_balanced.batch_scaling.factor_check import stored_lr_scale_factors
+from lightning_balanced.batch_scaling.lr_scaling import (
     LR_SCALE_FACTOR_KEY,
     applied_lr_scale_factor,
     effective_batch_size,

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from lightning_balanced.noise_scale import GradientNoiseScale
-from lightning_balanced.scale_invariance import ScaleInvariance
+from lightning_balanced.batch_scaling.noise_scale import GradientNoiseScale
+from lightning_balanced.batch_scaling.scale_invariance import ScaleInvariance
 from tests.helpers import raises_exactly
 from tests.test_scale_invariance import Net, Plain, _data, _fit, _two_rank_replay
 

@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_balanced.lr_scaling import warmup_in_samples
-from lightning_balanced.scale_invariance import (
+from lightning_balanced.batch_scaling.lr_scaling import warmup_in_samples
+from lightning_balanced.batch_scaling.scale_invariance import (
     REFERENCE_KEY,
     SampleStepping,
     ScaleInvariance,

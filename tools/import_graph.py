@@ -22,25 +22,14 @@ PACKAGE = "lightning_balanced"
 LAYERS: list[list[str]] = [
     ["lightning_balanced", "lightning_balanced.__main__"],
     ["lightning_balanced.cli"],
-    [
-        "lightning_balanced.entry_points",
-        "lightning_balanced.scale_invariance",
-    ],
+    ["lightning_balanced.entry_points"],
     ["lightning_balanced.strategies"],
-    ["lightning_balanced.callbacks"],
+    ["lightning_balanced.batch_scaling"],
+    ["lightning_balanced.gpipe", "lightning_balanced.pipelining"],
     ["lightning_balanced.pipeline"],
     ["lightning_balanced.data_parallel"],
-    [
-        "lightning_balanced.nn",
-        "lightning_balanced.evaluation",
-        "lightning_balanced.lr_scaling",
-        "lightning_balanced.noise_scale",
-    ],
-    [
-        "lightning_balanced.ops",
-        "lightning_balanced.arguments",
-        "lightning_balanced.progress_log",
-    ],
+    ["lightning_balanced.nn", "lightning_balanced.evaluation"],
+    ["lightning_balanced.ops", "lightning_balanced.arguments", "lightning_balanced.ranks"],
 ]
 
 

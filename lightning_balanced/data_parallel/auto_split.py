@@ -11,7 +11,7 @@ import torch
 
 from lightning_balanced.arguments import check_int, check_real
 from lightning_balanced.data_parallel.split_policy import NAMED_POLICIES, SplitPolicy, even_split, proportional_split
-from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.ranks.reports import rank_zero_report
 
 __all__ = ["AutoSplit", "memory_line"]
 

@@ -1,34 +1,24 @@
-"""The GPipe core: a pipeline over devices for an ``nn.Sequential``, in one process.
+"""What both pipelines share: the in-process GPipe core (:mod:`lightning_balanced.gpipe`) and the multi-process
+pipeline on ``torch.distributed.pipelining`` (:mod:`lightning_balanced.pipelining`).
 
-The data flows ``plan_micro_batches`` → ``split`` → ``clock_cycles`` (each cycle's tasks on their partitions' worker
-threads, ordered in backward by ``fork``/``join``, moved between devices by ``copy_to_device``, optionally through
-``Checkpointing``) → ``join``. :class:`Pipe` composes them; :class:`DeferredBatchNorm` keeps full-mini-batch running
-statistics; ``balance`` chooses how many layers each partition gets.
-
-Source: GPipe (Huang et al., NeurIPS 2019) and torchgpipe (Lee et al., 2020), written here from their papers and
-documentation.
+``balance`` chooses how many layers each partition or stage gets (even, by parameters, by measured time or memory);
+:class:`DeferredBatchNorm` keeps full-mini-batch running statistics while each micro-batch is normalized on its own;
+``plan_micro_batches``/``split`` cut a batch into micro-batches; ``recompute`` marks a checkpointed stage's second
+forward pass; ``find_sequential`` finds and checks the ``nn.Sequential`` a pipeline strategy cuts.
 """
 
 from lightning_balanced.pipeline.balance import balance_by_parameters, balance_by_time, split_costs
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
-from lightning_balanced.pipeline.checkpoint import Checkpointing
-from lightning_balanced.pipeline.dependency import depend, fork, join
 from lightning_balanced.pipeline.microbatch import plan_micro_batches, split
-from lightning_balanced.pipeline.pipe import Pipe
 from lightning_balanced.pipeline.recompute import is_recomputing
-from lightning_balanced.pipeline.schedule import clock_cycles
+from lightning_balanced.pipeline.sequential import find_sequential
 
 __all__ = [
-    "Checkpointing",
     "DeferredBatchNorm",
-    "Pipe",
     "balance_by_parameters",
     "balance_by_time",
-    "clock_cycles",
-    "depend",
-    "fork",
+    "find_sequential",
     "is_recomputing",
-    "join",
     "plan_micro_batches",
     "split",
     "split_costs",

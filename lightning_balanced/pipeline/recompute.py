@@ -1,6 +1,6 @@
 """The recompute mode: whether this thread is recomputing a checkpointed partition in backward.
 
-:class:`~lightning_balanced.pipeline.checkpoint.Checkpointing` enters it around a recomputation (:func:`recomputing`);
+:class:`~lightning_balanced.gpipe.checkpoint.Checkpointing` enters it around a recomputation (:func:`recomputing`);
 :class:`~lightning_balanced.pipeline.DeferredBatchNorm` asks :func:`is_recomputing` so that a micro-batch run again in
 backward is not counted twice in its running statistics. The flag is thread-local: the autograd engine's threads and
 the partitions' worker threads each have their own.

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int
-from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
+from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
 from lightning_balanced.data_parallel.auto_split import memory_line
 from lightning_balanced.data_parallel.carried_exchange import CarriedExchange
 from lightning_balanced.data_parallel.rank_shares import RankShare, ShareBatchSampler, share_loader
@@ -33,7 +33,7 @@ from lightning_balanced.data_parallel.scatter import infer_batch_size
 from lightning_balanced.data_parallel.split_policy import SplitPolicy, even_split, split_policy
 from lightning_balanced.evaluation.mixin import BATCH_INDICES
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
-from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.ranks.reports import rank_zero_report
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
 from lightning_balanced.strategies.registration import RegisteredStrategy
@@ -249,8 +249,9 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
     def data_parallel_size(self) -> int:
         """1: the DataLoader's batch is already the global one, whatever the world size.
 
-        What :func:`~lightning_balanced.lr_scaling.data_parallel_size` reads: ``ScaleInvariance`` and ``ddp_lr``-style
-        scaling see the effective batch ``batch_size x accumulate_grad_batches``, the same on any number of ranks.
+        What :func:`~lightning_balanced.batch_scaling.lr_scaling.data_parallel_size` reads: ``ScaleInvariance`` and
+        ``ddp_lr``-style scaling see the effective batch ``batch_size x accumulate_grad_batches``, the same on any
+        number of ranks.
         """
         return 1
 

@@ -51,7 +51,7 @@ from lightning_balanced.data_parallel.replicate import ReplicaParameters
 from lightning_balanced.data_parallel.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.data_parallel.virtual_device import emulated_device, emulated_step
 from lightning_balanced.evaluation.mixin import REPLICA_POSITION
-from lightning_balanced.progress_log import counted, rank_zero_report
+from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
 _REPORT_MEMORY_AFTER_STEPS = 3

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_int
-from lightning_balanced.lr_scaling import (
+from lightning_balanced.batch_scaling.lr_scaling import (
     LR_SCALE_FACTOR_KEY,
     data_parallel_size,
     effective_batch_size,
@@ -27,7 +27,7 @@ from lightning_balanced.lr_scaling import (
     warmup_multiplier,
 )
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
-from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.ranks.reports import rank_zero_report
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
 from lightning_balanced.strategies.registration import RegisteredStrategy

@@ -17,7 +17,9 @@ from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_module_name
 from lightning_balanced.data_parallel import virtual_devices
-from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
+from lightning_balanced.gpipe import Pipe
+from lightning_balanced.gpipe.pipe import validate_checkpoint, validate_chunks
+from lightning_balanced.pipeline import DeferredBatchNorm
 from lightning_balanced.pipeline.balance import (
     BalanceChoice,
     balance_argument,
@@ -25,9 +27,8 @@ from lightning_balanced.pipeline.balance import (
     even_balance,
     validate_balance,
 )
-from lightning_balanced.pipeline.pipe import validate_checkpoint, validate_chunks
 from lightning_balanced.pipeline.sequential import find_sequential
-from lightning_balanced.progress_log import counted, rank_zero_report
+from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 
@@ -43,7 +44,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
     GPipe's schedule.
 
     At setup the ``nn.Sequential`` found at ``module_name`` on the LightningModule is wrapped, in place, in a
-    :class:`~lightning_balanced.pipeline.Pipe` with the same layers under the same names; partition ``j`` (the next
+    :class:`~lightning_balanced.gpipe.Pipe` with the same layers under the same names; partition ``j`` (the next
     ``balance[j]`` layers) lives on ``devices[j]``, and everything else of the LightningModule (loss, metrics, heads
     outside the Sequential) on ``devices[0]``, the root device. ``training_step`` and the other steps run unchanged on
     the main thread: when they call the Sequential, the batch is split into ``chunks`` micro-batches that run through

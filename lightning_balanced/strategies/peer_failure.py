@@ -3,7 +3,7 @@
 When one rank of a DDP-style run fails, the ranks waiting for it in a collective get the backend's transport error
 (gloo: ``Connection closed by peer``), each with a full traceback of its own: 47 to 202 lines per rank, of which
 the useful line is the last of one block. Here every rank leaves the reason it stops in the process group's store
-(:class:`~lightning_balanced.pipeline.stop_notices.StopNotices`); a rank whose error is only a lost connection names
+(:class:`~lightning_balanced.ranks.stop_notices.StopNotices`); a rank whose error is only a lost connection names
 the rank that failed and why, and its process ends with that one line instead of a traceback (a ``sys.excepthook``
 that handles only these errors; any other error prints as usual). Under Lightning's script launcher and torchrun each
 rank is a process of its own, so the run prints the failing rank's traceback and one line per other rank.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_balanced.pipeline.stop_notices import StopNotices
+from lightning_balanced.ranks.stop_notices import StopNotices
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import ParallelStrategy

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int, check_module_name
-from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
+from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
 from lightning_balanced.nn.moments import Moments, combine_moments
 from lightning_balanced.pipeline.balance import (
     BalanceChoice,
@@ -36,26 +36,26 @@ from lightning_balanced.pipeline.balance import (
     split_costs,
 )
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
-from lightning_balanced.pipeline.bubble import BusyTimer, bubble
-from lightning_balanced.pipeline.materialize import is_on_meta, materialize, materialize_layers
-from lightning_balanced.pipeline.p2p_forward import StageExamples, pipelined_forward
 from lightning_balanced.pipeline.recompute import recomputing
 from lightning_balanced.pipeline.sequential import find_sequential
-from lightning_balanced.pipeline.sharded_checkpoint import (
+from lightning_balanced.pipelining.bubble import BusyTimer, bubble
+from lightning_balanced.pipelining.materialize import is_on_meta, materialize, materialize_layers
+from lightning_balanced.pipelining.p2p_forward import StageExamples, pipelined_forward
+from lightning_balanced.pipelining.sharded_checkpoint import (
     flat_optimizer_state,
     is_sharded_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from lightning_balanced.pipeline.stage_plan import (
+from lightning_balanced.pipelining.stage_plan import (
     ScheduleSpec,
     cut_sequential,
     schedule_spec,
     stage_indices,
     stage_owners,
 )
-from lightning_balanced.pipeline.stop_notices import StopNotices
-from lightning_balanced.progress_log import counted, rank_zero_report
+from lightning_balanced.ranks.reports import counted, rank_zero_report
+from lightning_balanced.ranks.stop_notices import StopNotices
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
 from lightning_balanced.strategies.registration import RegisteredStrategy
@@ -190,9 +190,9 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
     global norm over all stages and those parameters. Checkpoints are sharded by default
     (``save_distributed_checkpoint=True``, as Lightning's ``ModelParallelStrategy``): a directory in the format of
     ``torch.distributed.checkpoint`` where each rank writes its own stages' weights and optimizer states, by their
-    plain ``nn.Sequential`` names (:mod:`~lightning_balanced.pipeline.sharded_checkpoint`), so no rank gathers the
+    plain ``nn.Sequential`` names (:mod:`~lightning_balanced.pipelining.sharded_checkpoint`), so no rank gathers the
     model to save it, and a checkpoint loads under any ``pipeline_parallel_size``, ``balance`` or schedule;
-    :func:`~lightning_balanced.pipeline.sharded_checkpoint.consolidate_checkpoint` makes one file of it for ``gpipe``,
+    :func:`~lightning_balanced.pipelining.sharded_checkpoint.consolidate_checkpoint` makes one file of it for ``gpipe``,
     ``ddp`` or a plain module. With ``save_distributed_checkpoint=False`` a checkpoint is one file with the whole model
     (each stage's weights sent to every rank, the optimizer states gathered). After ``fit`` every rank holds the whole
     trained model (every rank builds the whole model in host memory: not yet from the meta device).
@@ -516,8 +516,8 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         """A model built on the meta device: this rank's stages' layers, and what is outside the Sequential, get memory.
 
         Layer ``i`` is initialized from ``seed + i`` (``seed_everything``'s seed, else 0), what is outside the
-        ``nn.Sequential`` from ``seed - 1`` (:mod:`~lightning_balanced.pipeline.materialize`), so the model is the same
-        whatever the balance and the ranks. The other ranks' layers stay on the meta device.
+        ``nn.Sequential`` from ``seed - 1`` (:mod:`~lightning_balanced.pipelining.materialize`), so the model is the
+        same whatever the balance and the ranks. The other ranks' layers stay on the meta device.
         """
         if not self.save_distributed_checkpoint:
             raise ValueError(
@@ -1015,7 +1015,10 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         """Sharded (``save_distributed_checkpoint=True``): a directory at ``filepath``, each rank writing its part
-        (:func:`~lightning_balanced.pipeline.sharded_checkpoint.save_sharded_checkpoint`). Else one file from rank 0."""
+        (:func:`~lightning_balanced.pipelining.sharded_checkpoint.save_sharded_checkpoint`).
+
+        Else one file from rank 0.
+        """
         if not self.save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return

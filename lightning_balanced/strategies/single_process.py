@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_balanced.callbacks import LRScaleFactorCheckOnLoad
+from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
 if TYPE_CHECKING:

@@ -64,7 +64,8 @@ def test_a_recomputation_is_not_tracked_and_commit_without_micro_batches_is_a_no
 
 
 def test_is_recomputing_is_still_importable_from_checkpoint() -> None:
-    from lightning_balanced.pipeline import checkpoint, recompute
+    from lightning_balanced.gpipe import checkpoint
+    from lightning_balanced.pipeline import recompute
 
     assert checkpoint.is_recomputing is recompute.is_recomputing is is_recomputing
 

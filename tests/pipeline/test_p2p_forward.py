@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_balanced.pipeline.p2p_forward import Activation, StageExamples, pipelined_forward
+from lightning_balanced.pipelining.p2p_forward import Activation, StageExamples, pipelined_forward
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.slow

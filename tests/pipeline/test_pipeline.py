@@ -13,8 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from lightning_balanced.pipeline import DeferredBatchNorm, Pipe, clock_cycles, plan_micro_batches, split_costs
-from lightning_balanced.pipeline.streams import CopyStreams, copy_to_device
+from lightning_balanced.gpipe import Pipe, clock_cycles
+from lightning_balanced.gpipe.streams import CopyStreams, copy_to_device
+from lightning_balanced.pipeline import DeferredBatchNorm, plan_micro_batches, split_costs
 from tests.helpers import CUDA_DEVICE_LISTS, RunIf, whole_message
 
 CPU2 = [torch.device("cpu")] * 2
@@ -210,7 +211,7 @@ def test_recompute_replays_cpu_random_numbers_on_a_partition_with_its_own_genera
 ) -> None:
     # The partitions stand in for CUDA ones: their device generator is not the CPU one, so only a replay of the CPU
     # generator too (as torchgpipe restores both) gives the recomputation the forward's mask.
-    import lightning_balanced.pipeline.rng as rng
+    import lightning_balanced.gpipe.rng as rng
 
     device_generator = torch.Generator()
     monkeypatch.setattr(rng, "_generator", lambda device: ("cuda:0", device_generator))

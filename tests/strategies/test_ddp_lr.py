@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_balanced
 from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
-from lightning_balanced.callbacks import LRScaleFactorCheck, LRScaleFactorWarning
+from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheck, LRScaleFactorWarning
 from tests.distributed import run_distributed
 from tests.helpers import quiet_trainer, whole_message
 

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import GPipeStrategy
-from lightning_balanced.pipeline import DeferredBatchNorm, Pipe
+from lightning_balanced.gpipe import Pipe
+from lightning_balanced.pipeline import DeferredBatchNorm
 from tests.helpers import CUDA_DEVICE_LISTS, RunIf, gpu_ids, quiet_trainer, raises_exactly, whole_message
 
 MODES = ["always", "except_last", "never"]

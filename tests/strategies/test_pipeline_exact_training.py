@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_balanced import PipelineStrategy
-from lightning_balanced.pipeline.stage_plan import SCHEDULES
+from lightning_balanced.pipelining.stage_plan import SCHEDULES
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer
 from tests.strategies.test_pipeline_strategy import LR, PipelinedRegressor, _data, _Losses

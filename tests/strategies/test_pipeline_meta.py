@@ -18,8 +18,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_balanced import PipelineStrategy
-from lightning_balanced.pipeline.materialize import materialize, materialize_layers
-from lightning_balanced.pipeline.sharded_checkpoint import consolidate_checkpoint
+from lightning_balanced.pipelining.materialize import materialize, materialize_layers
+from lightning_balanced.pipelining.sharded_checkpoint import consolidate_checkpoint
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 from tests.strategies.test_pipeline_strategy import LR, _data

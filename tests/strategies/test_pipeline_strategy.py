@@ -25,12 +25,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import tests.distributed
 from lightning_balanced import DistributedEvalMixin, GPipeStrategy, LRScaledPipelineStrategy, PipelineStrategy
-from lightning_balanced.pipeline.sharded_checkpoint import (
+from lightning_balanced.pipelining.sharded_checkpoint import (
     METADATA_FILENAME,
     consolidate_checkpoint,
     is_sharded_checkpoint,
 )
-from lightning_balanced.pipeline.stage_plan import SCHEDULES, stage_indices, stage_owners
+from lightning_balanced.pipelining.stage_plan import SCHEDULES, stage_indices, stage_owners
 from lightning_balanced.strategies.pipeline import _Stage
 from tests.distributed import DistributedRankError, lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
@@ -454,7 +454,7 @@ def test_a_schedule_the_installed_torch_lacks_names_the_release_that_adds_it(mon
 
 
 def test_a_schedule_older_torch_cannot_run_names_the_release_it_runs_from(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_balanced.pipeline.stage_plan import RUNS_FROM
+    from lightning_balanced.pipelining.stage_plan import RUNS_FROM
 
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     with raises_exactly(

@@ -16,8 +16,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import PipelineStrategy
-from lightning_balanced.pipeline.saved_bytes import SavedTensorBytes
-from lightning_balanced.pipeline.stage_plan import SCHEDULES
+from lightning_balanced.pipelining.saved_bytes import SavedTensorBytes
+from lightning_balanced.pipelining.stage_plan import SCHEDULES
 from tests.distributed import run_distributed
 from tests.helpers import quiet_trainer
 

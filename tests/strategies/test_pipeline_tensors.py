@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_balanced import PipelineStrategy
-from lightning_balanced.pipeline.stage_plan import SCHEDULES
+from lightning_balanced.pipelining.stage_plan import SCHEDULES
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 

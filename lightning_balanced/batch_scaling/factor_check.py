@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_balanced.lr_scaling import LR_SCALE_FACTOR_KEY
+from lightning_balanced.batch_scaling.lr_scaling import LR_SCALE_FACTOR_KEY
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_balanced.pipeline.dependency import fork, join, phony
+from lightning_balanced.gpipe.dependency import fork, join, phony
+from lightning_balanced.gpipe.modes import ThreadModes
+from lightning_balanced.gpipe.partition import Partition
+from lightning_balanced.gpipe.rng import seeded
 from lightning_balanced.pipeline.microbatch import flatten
-from lightning_balanced.pipeline.modes import ThreadModes
-from lightning_balanced.pipeline.partition import Partition
 from lightning_balanced.pipeline.recompute import is_recomputing, recomputing
-from lightning_balanced.pipeline.rng import seeded
 
 # ``is_recomputing`` stays importable from here, where it was defined before it moved to ``pipeline.recompute``.
 __all__ = ["Checkpointing", "is_recomputing"]

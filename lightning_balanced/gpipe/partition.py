@@ -12,9 +12,9 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_balanced.gpipe.rng import draws_random_numbers
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.microbatch import flatten
-from lightning_balanced.pipeline.rng import draws_random_numbers
 
 __all__ = ["Partition"]
 
@@ -67,7 +67,7 @@ class Partition:
         return value
 
     def draws_random_numbers(self) -> bool:
-        """Whether a layer draws random numbers now (:func:`~lightning_balanced.pipeline.rng.draws_random_numbers`)."""
+        """Whether a layer draws random numbers now (:func:`~lightning_balanced.gpipe.rng.draws_random_numbers`)."""
         return any(draws_random_numbers(layer) for _, layer in self.layers)
 
     @contextmanager

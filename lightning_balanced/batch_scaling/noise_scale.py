@@ -9,7 +9,8 @@ regime, up to the critical batch size).
 Under data parallelism it costs next to nothing (McCandlish et al., Appendix A.1): each rank's gradient is that of a
 small batch, the all-reduced gradient that of the effective batch, and the two squared norms give unbiased estimates of
 ``|G|^2`` and ``tr(Sigma)``. :class:`GradientNoiseScale` smooths them as the paper does;
-:class:`~lightning_balanced.scale_invariance.ScaleInvariance` feeds it under DDP (``measure_noise_scale=True``).
+:class:`~lightning_balanced.batch_scaling.scale_invariance.ScaleInvariance` feeds it under DDP
+(``measure_noise_scale=True``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ schedule's own bookkeeping. On CPU it reads ``time.perf_counter``; on CUDA it re
 
 Source: the bubble as defined for GPipe (Huang et al., NeurIPS 2019) and 1F1B (Narayanan et al., SC 2021): the idle
 fraction of a step; the theoretical values are
-:meth:`~lightning_balanced.pipeline.stage_plan.ScheduleSpec.theoretical_bubble`.
+:meth:`~lightning_balanced.pipelining.stage_plan.ScheduleSpec.theoretical_bubble`.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ of samples seen, run on every scale (``kappa = 1`` included), each step taking i
 
 Which rule fits depends on the job: the square-root rules assume batches well below the gradient noise scale
 (Malladi et al., section 5), the linear rule batches near or above it. ``measure_noise_scale=True`` measures it under
-DDP (:mod:`lightning_balanced.noise_scale`) and says when the effective batch is above it.
+DDP (:mod:`lightning_balanced.batch_scaling.noise_scale`) and says when the effective batch is above it.
 
-The rules are pure functions of ``kappa`` in :mod:`lightning_balanced.lr_scaling` (:class:`ScalingPolicy`,
+The rules are pure functions of ``kappa`` in :mod:`lightning_balanced.batch_scaling.lr_scaling` (:class:`ScalingPolicy`,
 :func:`scaled_hyperparameters`, :func:`scaled_ema_momentum`), shared with ``ddp_lr_*``; the callback applies them once
 per fit, from the reference values, so nothing ever compounds.
 """
@@ -39,15 +39,15 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int
-from lightning_balanced.lr_scaling import (
+from lightning_balanced.batch_scaling.lr_scaling import (
     EMA_RULE_SOURCE,
     LR_RULES,
     ScalingPolicy,
@@ -57,9 +57,9 @@ from lightning_balanced.lr_scaling import (
     scaled_hyperparameters,
     warmup_in_samples,
 )
+from lightning_balanced.batch_scaling.noise_scale import GradientNoiseScale
 from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
-from lightning_balanced.noise_scale import GradientNoiseScale
-from lightning_balanced.progress_log import rank_zero_report
+from lightning_balanced.ranks.reports import rank_zero_report
 
 __all__ = [
     "LR_RULES",
@@ -83,11 +83,11 @@ class ScaleInvariance(Callback):
     the effective batch size = data-parallel world size x per-device batch x ``accumulate_grad_batches``, it applies the
     policy once (see the module docstring): every param group's learning rate (and ``initial_lr``, OneCycleLR's range,
     every scheduler's base and floor learning rates, through
-    :func:`~lightning_balanced.lr_scaling.rescale_learning_rates`), Adam's ``betas`` and ``eps``, RMSprop's ``alpha``
-    and ``eps``; with ``"ema"``, every BatchNorm's ``momentum``, the decay of Lightning's ``EMAWeightAveraging``
-    (Lightning 2.6+) and that of every ``torch.optim.swa_utils.AveragedModel`` the LightningModule holds whose update
-    function is torch's ``get_ema_avg_fn``/``get_ema_multi_avg_fn``. One line is logged per rescaled value: before,
-    after, and the rule's source.
+    :func:`~lightning_balanced.batch_scaling.lr_scaling.rescale_learning_rates`), Adam's ``betas`` and ``eps``,
+    RMSprop's ``alpha`` and ``eps``; with ``"ema"``, every BatchNorm's ``momentum``, the decay of Lightning's
+    ``EMAWeightAveraging`` (Lightning 2.6+) and that of every ``torch.optim.swa_utils.AveragedModel`` the
+    LightningModule holds whose update function is torch's ``get_ema_avg_fn``/``get_ema_multi_avg_fn``. One line is
+    logged per rescaled value: before, after, and the rule's source.
 
     Resume-safe: the applied LR factor and each group's reference hyperparameters are stored in the param groups, hence
     in every checkpoint; a resume on another world size rescales from the references, never compounding. BatchNorm
@@ -104,26 +104,27 @@ class ScaleInvariance(Callback):
         warmup_samples (int): linear warmup counted in samples, on every scale (one process included): the learning
             rate rises linearly from 0 to its (scaled) value over the first ``warmup_samples`` samples seen by all
             ranks, each step taking the ramp's mean over the samples it consumes
-            (:func:`~lightning_balanced.lr_scaling.warmup_in_samples`), so every scale sees the same learning rate per
-            sample. The samples seen are saved in checkpoints (this callback's state), so a resume on another number
-            of processes continues the ramp where it was.
+            (:func:`~lightning_balanced.batch_scaling.lr_scaling.warmup_in_samples`), so every scale sees the same
+            learning rate per sample. The samples seen are saved in checkpoints (this callback's state), so a resume on
+            another number of processes continues the ramp where it was.
         schedules_in_samples (bool): step-interval LR schedulers advance by ``kappa`` steps per optimizer step (their
             steps count reference batches), so a schedule means the same number of samples on any scale.
         measure_noise_scale (bool): under DDP with 2 or more processes, measure the gradient noise scale
             ``B_simple`` at every optimizer step from each rank's gradient and the all-reduced one
-            (:class:`~lightning_balanced.noise_scale.GradientNoiseScale`; McCandlish et al. 2018, Appendix A.1): one
-            squared norm per parameter per backward, and one scalar ``all_reduce`` per step (the mean of the ranks'
-            norms). It is logged as ``noise_scale`` per step and reported at the end of fit; with the ``"sqrt"`` or
-            ``"adam_sde"`` rule, an effective batch at or above it draws a warning (those rules assume batches well
-            below it). Elsewhere (one process, ``balanced_dp``, ``gpipe``, ``pipeline``, FSDP) the report says it
-            was not measured.
+            (:class:`~lightning_balanced.batch_scaling.noise_scale.GradientNoiseScale`; McCandlish et al. 2018,
+            Appendix A.1): one squared norm per parameter per backward, and one scalar ``all_reduce`` per step (the
+            mean of the ranks' norms). It is logged as ``noise_scale`` per step and reported at the end of fit; with
+            the ``"sqrt"`` or ``"adam_sde"`` rule, an effective batch at or above it draws a warning (those rules
+            assume batches well below it). Elsewhere (one process, ``balanced_dp``, ``gpipe``, ``pipeline``, FSDP)
+            the report says it was not measured.
 
     Raises:
         TypeError, ValueError: a bad argument, naming it; at fit start, a train dataloader whose batch size cannot be
             read, or an LR-scaled DDP strategy that scales too.
     """
 
-    #: Read by :class:`~lightning_balanced.callbacks.LRScaleFactorCheck`: a resumed factor is this callback's business.
+    #: Read by :class:`~lightning_balanced.batch_scaling.factor_check.LRScaleFactorCheck`: a resumed factor is this
+    #: callback's business.
     manages_lr_scale_factor = True
 
     def __init__(
@@ -168,12 +169,11 @@ class ScaleInvariance(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_balanced.strategies.ddp_lr import LRScaledDDP
-
         strategy = trainer.strategy
-        if isinstance(strategy, LRScaledDDP) and strategy.lr_scaling != "none":
+        lr_scaling = getattr(strategy, "lr_scaling", "none")  # ddp_lr_* and pipeline_lr_* scale it themselves
+        if lr_scaling != "none":
             raise ValueError(
-                f"ScaleInvariance and {type(strategy).__name__}(lr_scaling={strategy.lr_scaling!r}) both scale the"
+                f"ScaleInvariance and {type(strategy).__name__}(lr_scaling={lr_scaling!r}) both scale the"
                 " learning rate: use `strategy='ddp'` with the callback, or the strategy alone (a `ddp_lr_*` name is"
                 " the shorthand of ScaleInvariance('linear' or 'sqrt') for the learning rate only)"
             )
@@ -212,12 +212,11 @@ class ScaleInvariance(Callback):
 
     # ---- the gradient noise scale ----------------------------------------------------------------------------------
     def _start_noise_scale(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
-        from lightning_balanced.strategies.pipeline import PipelineStrategy
-
         self.noise_scales = {}
         strategy = trainer.strategy
-        whole_model = isinstance(strategy, DDPStrategy) and not isinstance(strategy, PipelineStrategy)
-        # Each rank must hold the whole model's gradient of its own batch (not balanced_ddp's share-weighted one).
+        # Each rank must hold the whole model's gradient of its own batch, which DDP then averages: a model wrapped in
+        # DistributedDataParallel (not a pipeline's stages; balanced_ddp's data-parallel size is 1).
+        whole_model = isinstance(strategy.model, DistributedDataParallel)
         if not whole_model or data_parallel_size(strategy) < 2:
             return "  gradient noise scale: not measured (it needs DDP with 2 or more processes)"
 

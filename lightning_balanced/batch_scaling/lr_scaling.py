@@ -1,7 +1,7 @@
 """Scaling with the effective batch size: the rules, and how they touch optimizers and schedulers.
 
 The rules cover the learning rate, Adam's betas and eps, and EMA decays; ``ddp_lr_*`` and
-:class:`~lightning_balanced.scale_invariance.ScaleInvariance` both use them.
+:class:`~lightning_balanced.batch_scaling.scale_invariance.ScaleInvariance` both use them.
 
 The rules (Goyal et al. 2017, "Accurate, Large Minibatch SGD"; Krizhevsky 2014 and Hoffer et al. 2017 for the square
 root; Malladi et al. 2022 for sqrt with Adam): when the effective batch grows by ``k`` over the batch the learning
@@ -261,7 +261,7 @@ def unscale_learning_rates(optimizer: Optimizer, schedulers: Iterable[Any] = ())
     return applied
 
 
-# ---- the scaling rules of ScaleInvariance (lightning_balanced.scale_invariance), pure ------------------------------
+# ---- the scaling rules of ScaleInvariance (lightning_balanced.batch_scaling.scale_invariance), pure
 #: The learning-rate rules: how the learning rate scales with ``kappa``, and their sources.
 LR_RULES: dict[str, str] = {
     "linear": "Goyal et al. 2017 (linear)",

@@ -15,17 +15,17 @@ from lightning_balanced.arguments import check_int
 from lightning_balanced.data_parallel import infer_batch_size
 from lightning_balanced.data_parallel.stream_order import record_on
 from lightning_balanced.data_parallel.virtual_device import VirtualDeviceMode
+from lightning_balanced.gpipe.checkpoint import Checkpointing
+from lightning_balanced.gpipe.dependency import depend
+from lightning_balanced.gpipe.modes import ThreadModes
+from lightning_balanced.gpipe.partition import Partition
+from lightning_balanced.gpipe.rng import draw_step_seed, task_seed
+from lightning_balanced.gpipe.schedule import clock_cycles
+from lightning_balanced.gpipe.streams import CopyStreams, copy_to_device
+from lightning_balanced.gpipe.worker import PartitionWorkers
 from lightning_balanced.pipeline.balance import validate_balance
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
-from lightning_balanced.pipeline.checkpoint import Checkpointing
-from lightning_balanced.pipeline.dependency import depend
 from lightning_balanced.pipeline.microbatch import flatten, join, plan_micro_batches, split
-from lightning_balanced.pipeline.modes import ThreadModes
-from lightning_balanced.pipeline.partition import Partition
-from lightning_balanced.pipeline.rng import draw_step_seed, task_seed
-from lightning_balanced.pipeline.schedule import clock_cycles
-from lightning_balanced.pipeline.streams import CopyStreams, copy_to_device
-from lightning_balanced.pipeline.worker import PartitionWorkers
 
 __all__ = [
     "CHECKPOINT_MODES",
