@@ -9,11 +9,16 @@ ranks that did not arrive in time.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from lightning_balanced.ranks.one_line import PeerStopped, print_peer_failures_in_one_line
+from lightning_balanced.ranks.stop_notices import StopNotices
 
 __all__ = ["store_all_gather_object"]
 
@@ -29,6 +34,36 @@ def _present(store: Any, key: str) -> bool:
         return bool(store.check([key]))
     except RuntimeError:  # the store's host (rank 0 of the world) has gone
         return False
+
+
+# What the store's wait raises when it times out (its other errors, a store gone, end the wait at once).
+_TIMED_OUT = getattr(dist, "DistStoreError", RuntimeError)
+
+#: How often a waiting rank looks whether a rank it waits for has stopped (seconds).
+_LOOK_EVERY_S = 1.0
+
+
+def _wait(store: Any, keys: list[str], timeout_s: float, caller: str, ranks: tuple[int, ...]) -> None:
+    """``store.wait(keys)`` for at most ``timeout_s``, in slices of :data:`_LOOK_EVERY_S`.
+
+    Between them, a rank known to have stopped (an error it left in the store, or its process gone:
+    :class:`~lightning_balanced.ranks.stop_notices.StopNotices`) ends the wait at once with
+    :class:`~lightning_balanced.ranks.one_line.PeerStopped` naming it, printed as one line.
+    """
+    notices = StopNotices.of_default_group()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store.wait(keys, timedelta(seconds=max(min(left, _LOOK_EVERY_S), 0.001)))
+            return
+        except _TIMED_OUT:
+            if time.monotonic() >= deadline:
+                raise
+        stopped = notices.stopped_peer(ranks)
+        if stopped is not None:
+            print_peer_failures_in_one_line()
+            raise PeerStopped(f"{caller}: rank {notices.rank} stopped waiting for the other ranks: {stopped}")
 
 
 def store_all_gather_object(obj: Any, *, caller: str, timeout_s: float, group: Any | None = None) -> list[Any]:
@@ -67,8 +102,12 @@ def store_all_gather_object(obj: Any, *, caller: str, timeout_s: float, group: A
     store.set(keys[ranks.index(me)], payload)  # type: ignore[arg-type]  # the binding takes bytes too
     cause: RuntimeError | None = None
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
+        _wait(store, keys, timeout_s, caller, ranks)
         verdict = store.compare_set(verdict_key, "", "go")
+    except PeerStopped:
+        with contextlib.suppress(RuntimeError):
+            store.compare_set(verdict_key, "", "gave-up")
+        raise
     except RuntimeError as err:  # DistStoreError: the wait timed out; DistNetworkError: the store has gone
         cause = err
         try:

@@ -85,34 +85,52 @@ class StopNotices:
             error: it was killed"``; or, when nothing is known, which ranks reported nothing.
         """
         others = [rank for rank in ranks if rank != self.rank]
-        host = socket.gethostname()
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                with self._short_timeout():
-                    reasons = {rank: self._read(f"reason/{rank}") for rank in others}
-                    processes = {rank: self._read(f"process/{rank}") for rank in others}
+                found, silent = self._look(others)
             except Exception:  # the store is gone with its host
                 return (
                     "the process group's store no longer answers, so the process that hosts it stopped (rank 0 under"
                     " Lightning's launchers, the agent under torchrun)"
                 )
-            for rank in others:
-                reason = reasons[rank]
-                if reason is not None and reason.startswith("error "):
-                    return f"rank {rank} stopped on {reason.removeprefix('error ')}"
-            silent = [rank for rank in others if reasons[rank] is None]
-            for rank in silent:
-                rank_host, _, pid = (processes[rank] or "").rpartition(" ")
-                if rank_host == host and pid.isdigit() and not _runs(int(pid)):
-                    killed = "no longer runs and reported no error: it was killed"
-                    return f"rank {rank} (process {pid} on host {host}) {killed}"
+            if found is not None:
+                return found
             if not silent:
                 return "every other rank reported a lost connection too"
             if time.monotonic() >= deadline:
                 which = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {silent}"
                 return f"no rank reported an error of its own; {which} reported nothing (killed, or still running)"
             time.sleep(0.1)
+
+    def stopped_peer(self, ranks: Sequence[int]) -> str | None:
+        """:meth:`who_stopped`'s sentence if a rank among ``ranks`` has stopped for sure, else ``None``; one look.
+
+        Stopped for sure: it left an error of its own, or its process on this host no longer runs. For a rank that
+        waits for others that may never come (a gather with a deadline), between its waits.
+        """
+        try:
+            return self._look([rank for rank in ranks if rank != self.rank])[0]
+        except Exception:
+            return None
+
+    def _look(self, others: list[int]) -> tuple[str | None, list[int]]:
+        """The sentence naming a rank of ``others`` that stopped, if one did; and the ranks that reported nothing."""
+        host = socket.gethostname()
+        with self._short_timeout():
+            reasons = {rank: self._read(f"reason/{rank}") for rank in others}
+            processes = {rank: self._read(f"process/{rank}") for rank in others}
+        for rank in others:
+            reason = reasons[rank]
+            if reason is not None and reason.startswith("error "):
+                return f"rank {rank} stopped on {reason.removeprefix('error ')}", []
+        silent = [rank for rank in others if reasons[rank] is None]
+        for rank in silent:
+            rank_host, _, pid = (processes[rank] or "").rpartition(" ")
+            if rank_host == host and pid.isdigit() and not _runs(int(pid)):
+                killed = "no longer runs and reported no error: it was killed"
+                return f"rank {rank} (process {pid} on host {host}) {killed}", silent
+        return None, silent
 
     def _read(self, key: str) -> str | None:
         full = _PREFIX + key

@@ -12,14 +12,18 @@ rank is a process of its own, so the run prints the failing rank's traceback and
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_balanced.ranks.one_line import (
+    PeerStopped,
+    is_lost_connection,
+    mark_one_line,
+    print_peer_failures_in_one_line,
+)
 from lightning_balanced.ranks.stop_notices import StopNotices
 
 if TYPE_CHECKING:
@@ -30,50 +34,6 @@ else:
     _StrategyBase = object
 
 __all__ = ["PeerFailureReporting", "PeerStopped", "is_lost_connection", "print_peer_failures_in_one_line"]
-
-#: An exception that only reports another rank's failure carries its one-line message in this attribute.
-_ONE_LINE = "_lightning_balanced_one_line"
-
-# The words of the backends' transport errors when a peer's process ends.
-_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-class PeerStopped(RuntimeError):
-    """This rank stopped because another rank did: its error is the other rank's, named in the message."""
-
-
-def is_lost_connection(error: BaseException) -> bool:
-    """Whether ``error`` reports a peer that went away (the backend's transport error), not an error of this rank."""
-    if isinstance(error, PeerStopped):
-        return True
-    if not isinstance(error, RuntimeError):
-        return False
-    return isinstance(error, getattr(dist, "DistBackendError", ())) or any(sign in str(error) for sign in _LOST)
-
-
-def _excepthook(kind: type[BaseException], error: BaseException, traceback: TracebackType | None) -> None:
-    line = getattr(error, _ONE_LINE, None)
-    if line is None and isinstance(error, PeerStopped):
-        line = f"{type(error).__name__}: {error}"
-    if line is None:
-        _previous_hook(kind, error, traceback)
-        return
-    sys.stderr.write(f"{line}\n")
-    sys.stderr.flush()
-
-
-_previous_hook = sys.excepthook
-
-
-def print_peer_failures_in_one_line() -> None:
-    """Print a peer's failure that ends this process as one line; every other error as before. Idempotent.
-
-    A peer's failure is a :class:`PeerStopped`, or an error :class:`PeerFailureReporting` marked.
-    """
-    global _previous_hook
-    if sys.excepthook is not _excepthook:
-        _previous_hook = sys.excepthook
-        sys.excepthook = _excepthook
 
 
 class PeerFailureReporting(_StrategyBase):
@@ -108,7 +68,7 @@ class PeerFailureReporting(_StrategyBase):
             text = str(exception).strip().splitlines()
             said = f" (the backend said: {text[0]})" if text else ""
             message = f"rank {self.global_rank} stopped: it lost its connection to another rank; {cause}{said}"
-            _mark(exception, message)
+            mark_one_line(exception, message)
 
     @contextlib.contextmanager
     def naming_a_lost_peer(self, what: str) -> Iterator[None]:
@@ -151,8 +111,3 @@ class PeerFailureReporting(_StrategyBase):
         """As the base strategy's; a peer lost meanwhile is named (:meth:`naming_a_lost_peer`)."""
         with self.naming_a_lost_peer("a broadcast"):
             return super().broadcast(obj, src)  # type: ignore[safe-super]  # the concrete strategy's
-
-
-def _mark(exception: BaseException, line: str) -> None:
-    with contextlib.suppress(AttributeError):  # an exception type with __slots__: printed as usual
-        setattr(exception, _ONE_LINE, line)

@@ -169,7 +169,9 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
 
     The contract of the LightningModule:
 
-    * the batch is ``(input, target)``: the first stage takes ``input``, the last stage ``target``;
+    * the batch is ``(input, target)``: the first stage takes ``input``, the last stage ``target``; for other batches
+      define ``pipeline_batch(self, batch) -> (input, target)`` (``input`` a tensor or a tuple of tensors). A stage may
+      pass a tuple of tensors to the next, which gets it as ``nn.Sequential`` hands a value on (one tuple);
     * ``compute_loss(self, output, target) -> Tensor``, the loss of one micro-batch (a mean over its samples, as
       ``F.cross_entropy`` gives by default): the last stage calls it on each micro-batch. The LightningModule's
       ``training_step`` is not called (Lightning still asks for one: write it as ``loss = self.compute_loss(
@@ -178,8 +180,9 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
       (the mean of the micro-batches' losses, equal to the loss of the unpipelined model on the whole batch) on every
       rank. Do not ``self.log`` inside ``compute_loss`` (only the last stage's rank calls it);
     * ``validation_step``, ``test_step`` and ``predict_step`` run unchanged on every rank: calling the
-      ``nn.Sequential`` runs a forward-only pass through the stages and returns the last stage's output on every
-      rank, so their logs and outputs are the same on all ranks of a pipeline.
+      ``nn.Sequential`` runs a forward-only pass through the stages in ``chunks`` micro-batches (GPipe's forward) and
+      returns the last stage's output on every rank, so their logs and outputs are the same on all ranks of a
+      pipeline.
 
     Gradients equal the unpipelined model's: each micro-batch's loss is weighted by ``1 / chunks`` (torch's
     ``scale_grads`` is off), so the gradient is that of the mean over the batch, and by ``1 / accumulate_grad_batches``
@@ -194,8 +197,10 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
     model to save it, and a checkpoint loads under any ``pipeline_parallel_size``, ``balance`` or schedule;
     :func:`~lightning_balanced.pipelining.sharded_checkpoint.consolidate_checkpoint` makes one file of it for ``gpipe``,
     ``ddp`` or a plain module. With ``save_distributed_checkpoint=False`` a checkpoint is one file with the whole model
-    (each stage's weights sent to every rank, the optimizer states gathered). After ``fit`` every rank holds the whole
-    trained model (every rank builds the whole model in host memory: not yet from the meta device).
+    (each stage's weights sent to every rank, the optimizer states gathered). A model built on the meta device (in
+    ``configure_model``) is materialized stage by stage: each rank only its own layers (seeded per layer,
+    :mod:`~lightning_balanced.pipelining.materialize`), and no rank ever holds the whole model; one built in host
+    memory is held whole by every rank, and after ``fit`` every rank holds the whole trained model.
 
     Mixed precision: under ``bf16-mixed``/``16-mixed`` the stages run in autocast and exchange activations in its
     dtype; under ``16-mixed`` the schedule's backward runs on the ``GradScaler``-scaled loss, and an inf or NaN found on
@@ -216,8 +221,12 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             torch has and runs it (1F1B-style schedules from torch 2.8, V-shaped ones from 2.13: older releases fail on
             gloo). ``None``: ``"1F1B"``, or ``"GPipe"`` where torch does not run 1F1B.
         chunks: micro-batches per batch; the batch size must be a multiple of it.
-        balance: layers per stage (``pipeline_parallel_size * stages_per_rank`` entries), or ``None`` to spread
-            them evenly by count.
+        balance: layers per stage (``pipeline_parallel_size * stages_per_rank`` entries); ``None`` to spread them
+            evenly by count; or a cost to even out, as ``gpipe`` chooses
+            (:func:`~lightning_balanced.pipeline.balance.choose_balance`): ``"parameters"`` (counted, the same on
+            every rank), ``"time"`` or ``"memory"`` (CUDA), measured on the global rank 0 one layer at a time with one
+            micro-batch of the LightningModule's ``example_input_array`` and broadcast, ``"auto"`` (memory on CUDA,
+            time elsewhere; parameters for a model on the meta device or without ``example_input_array``).
         stages_per_rank: stages each rank holds; ``None``: 1 for single-stage schedules, 2 for the others.
         pipeline_parallel_size: ranks per pipeline, ``p``; ``None``: the whole world (no data parallelism).
         activation_checkpointing: recompute each stage's activations in backward instead of keeping them
@@ -247,10 +256,13 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         ValueError: an unknown ``schedule``, or one the installed torch lacks (naming the release that adds it);
             ``chunks`` or ``pipeline_parallel_size`` below 1; ``stages_per_rank`` that the schedule does not take; at
             setup, a world size that ``pipeline_parallel_size`` does not divide, a missing ``nn.Sequential``, a
-            ``balance`` that does not cover its layers, fewer layers than stages, manual optimization,
+            ``balance`` that does not cover its layers, a measured ``balance`` without ``example_input_array`` or for a
+            model on the meta device, a meta-device layer without ``reset_parameters()``, a model on the meta device
+            with ``save_distributed_checkpoint=False``, fewer layers than stages, manual optimization,
             ``sync_batchnorm=True``, or no ``compute_loss``; in a step, a batch size that ``chunks`` does not divide.
-        PeerStopped: (a ``RuntimeError``) in a step or a forward pass, when another rank of the pipeline stopped (an
-            error there, or killed): the backend's broken connection, said for what it is, instead of a hang; the
+        PeerStopped: (a ``RuntimeError``) in any collective of the strategy (the step, a forward pass, clipping,
+            sharing the stages, a checkpoint, a barrier or broadcast), when another rank stopped (an error there, or
+            killed): the backend's broken connection, said for what it is, instead of a hang; the
             process then ends with that one line, not a traceback
             (:mod:`~lightning_balanced.strategies.peer_failure`).
 

@@ -1,5 +1,6 @@
 """A job whose rank 1 raises in its second step: run by tests/strategies/test_peer_failure.py as a user would run it,
-``python failing_job.py <strategy>``, with Lightning's script launcher starting rank 1."""
+``python failing_job.py <strategy> [gather]``, with Lightning's script launcher starting rank 1. With ``gather``, rank 1
+raises in its second validation step instead, while rank 0 waits for it in ``gather_eval_outputs``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_balanced  # noqa: F401  (registers the strategies)
+from lightning_balanced import DistributedEvalMixin  # (importing registers the strategies)
 
 
 class Model(pl.LightningModule):
@@ -33,8 +34,22 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class GatheringModel(DistributedEvalMixin, Model):
+    def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == 1 and batch_idx == 1:
+            raise ValueError("a mistake on rank 1")
+        self.add_eval_outputs(prediction=self.sequential_module(batch[0]))
+
+    def on_validation_epoch_end(self) -> None:
+        self.gather_eval_outputs(timeout_s=120)
+
+
 if __name__ == "__main__":
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
+    gather = sys.argv[2:] == ["gather"]
     trainer = pl.Trainer(
         strategy=sys.argv[1],
         accelerator="cpu",
@@ -45,4 +60,7 @@ if __name__ == "__main__":
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Model(), DataLoader(data, batch_size=8))
+    if gather:
+        trainer.validate(GatheringModel(), DataLoader(data, batch_size=8))
+    else:
+        trainer.fit(Model(), DataLoader(data, batch_size=8))
