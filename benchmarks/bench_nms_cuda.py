@@ -552,20 +552,29 @@ def goal_table(bench: Bench) -> int:
 
 def cost_model() -> None:
     """The CPU emulation's cost model of what the CUDA ``nms`` / ``batched_nms`` run (``_nms_tiled``), IoU 0.5: per
-    call, the kernels launched, the host-side torch ops (allocations, sorts, gathers, the read of the kept count),
-    the critical path (serial steps of the launches, one after another) and the longest loop of one launch."""
+    call, the kernels launched (torch's own sorts and gathers not included), the host-side torch ops (allocations,
+    sorts, gathers, the read of the kept count), the critical path (serial steps of the launches, one after another;
+    the persistent chain's phases and grid barriers included) and the longest loop of one launch; last, the launches
+    and critical path of the per-tile fallback (no cooperative launch, or CUDA-graph capture)."""
     emulation = torch.ops.lightning_balanced._nms_tiled
     torch_op = 2  # the kind of a host-side torch op's row (csrc/ops/cpu/nms_tiled_schedule.cpp)
-    print(f"{'case':<34}{'launches':>9}{'host ops':>9}{'critical path':>15}{'longest loop':>14}{'kept':>9}", flush=True)
+    print(
+        f"{'case':<34}{'launches':>9}{'host ops':>9}{'critical path':>15}{'longest loop':>14}{'kept':>9}"
+        f"{'per-tile launches':>19}{'per-tile path':>15}",
+        flush=True,
+    )
     cases = [(n, kind) for n in (1000, 20_000, 100_000) for kind in WORKLOADS] + [(1_000_000, "mixed4000")]
     for n, kind in cases:
         boxes, scores, idxs = workload(kind, n, seed=n + 7)
         for op in ("nms", "batched_nms") if n in (1000, 100_000) else ("nms",):
-            keep, steps = emulation(boxes, scores, idxs if op == "batched_nms" else None, 0.5, 0)
+            classes = idxs if op == "batched_nms" else None
+            keep, steps = emulation(boxes, scores, classes, 0.5, 0)
+            _, per_tile = emulation(boxes, scores, classes, 0.5, 0, 1024, 8192, 4096, False)
             kinds, depth = steps[:, 0], steps[:, 2]
             print(
                 f"{op + ' ' + kind + ' ' + str(n):<34}{int((kinds != torch_op).sum()):>9}"
-                f"{int((kinds == torch_op).sum()):>9}{int(depth.sum()):>15}{int(depth.max()):>14}{keep.numel():>9}",
+                f"{int((kinds == torch_op).sum()):>9}{int(depth.sum()):>15}{int(depth.max()):>14}{keep.numel():>9}"
+                f"{int((per_tile[:, 0] != torch_op).sum()):>19}{int(per_tile[:, 2].sum()):>15}",
                 flush=True,
             )
 

@@ -18,13 +18,16 @@ TORCH_LIBRARY_FRAGMENT(lightning_balanced, m) {
   // Private, CPU only: the CUDA kernels' tiled algorithm and step order run on the host (nms_tiled_driver.h),
   // for the tests. Returns the raw keep [B, capacity], counters [B, 4] (kept, tile kept, bad score, bad box) and
   // the cost model, a row per launch the GPU would make and per host-side torch op: (kind, parallel width, serial
-  // depth). Images of at most small_rows boxes take the single-launch path (nms_small.h); 0 forces the tiles.
+  // depth). Images of at most small_rows boxes take the single-launch path (nms_small.h); 0 forces the tiles. Above
+  // one tile, `persistent` runs the persistent chain (one launch, as on a GPU with cooperative launch), false the
+  // per-tile launches (the CUDA fallback: no cooperative launch, or graph capture).
   m.def(
       "_nms_tiled_schedule(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int offset, bool padded, "
-      "int capacity, int tile_rows=1024, int propagate_warps=8192, int small_rows=4096) -> (Tensor, Tensor, Tensor)");
+      "int capacity, int tile_rows=1024, int propagate_warps=8192, int small_rows=4096, bool persistent=True) -> "
+      "(Tensor, Tensor, Tensor)");
   // Private, CPU only: what the CUDA nms (idxs None) and batched_nms run, on the host; returns the kept indices
   // and the cost model.
   m.def(
       "_nms_tiled(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int offset=0, int tile_rows=1024, "
-      "int propagate_warps=8192, int small_rows=4096) -> (Tensor, Tensor)");
+      "int propagate_warps=8192, int small_rows=4096, bool persistent=True) -> (Tensor, Tensor)");
 }

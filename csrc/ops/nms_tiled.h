@@ -23,7 +23,9 @@
 // A box is suppressed by a kept, higher-scoring box exactly when the sequential greedy pass says so: the
 // earlier tiles' kept boxes reach it through `removed` (step 2), the same tile's through step 1. Bits set for
 // boxes already decided are never read again, so the propagation needs no score-order test. Memory is linear in
-// the number of boxes (no N x N/64 mask) and the work follows the overlaps, not N^2. Two launches per tile.
+// the number of boxes (no N x N/64 mask) and the work follows the overlaps, not N^2. On the GPU, the steps of all
+// tiles run in one persistent kernel, phases separated by grid barriers (run_chain of nms_tiled_driver.h); without
+// cooperative launch, or under graph capture, two launches per tile.
 //
 // The same functions run in the CPU emulation, threads one after another and a warp's lanes in a loop (`Warp`
 // below); there each loop iteration also counts a serial step (LB_COST), the emulation's cost model.

@@ -1,7 +1,10 @@
 // The sequence of steps of the tiled NMS (nms_tiled.h) over a batch of images, written once for the CUDA
 // kernels and for their CPU emulation. `Launch` runs a step over every (image, index) pair: cuda/nms_kernel.cu
 // launches one kernel per step, cpu/nms_tiled_schedule.cpp loops, one index after another. `Launch::warps`
-// runs a warp-level step (see `Warp` in nms_tiled.h) once per warp.
+// runs a warp-level step (see `Warp` in nms_tiled.h) once per warp. Above one tile, `Launch::chain` runs every step
+// after the spatial placement, all tiles included, as the phases of one persistent kernel (run_chain, issue 40):
+// 3 launches per call at any N; it returns false where it cannot (no cooperative launch, graph capture), and
+// the per-tile launches run.
 //
 // Fixed shapes and no host sync: the number of tiles depends on N only, the counts stay on the device, and
 // the kept indices go to a [B, capacity] output filled with -1. The unpadded ops read the counts back once
@@ -136,6 +139,57 @@ struct PropagateStep {
   }
 };
 
+// ---- the persistent chain (issue 40) ------------------------------------------------------------------------------
+// Above one tile, the work after the spatial order is placed runs in ONE kernel whose CTAs (kTileRows threads each)
+// stay resident for the whole chain, its phases separated by grid-wide barriers (run_chain below):
+//   phase 0: the block bounds and the tile masks (no dependence between them), spread over all threads;
+//   phase 1: the super-block bounds (all threads), then tile 0 resolved, one CTA per image (images spread over the
+//            CTAs, a CTA taking image b, b + CTAs, ...);
+//   then, per later tile k: tile k - 1's kept rows propagated (the (image, warp) pairs of today's propagation launch
+//            spread over all warps of the grid), a barrier, tile k resolved, a barrier.
+// A grid barrier is valid only when every CTA of the grid is resident at once: the CUDA launcher sizes the grid by
+// the occupancy calculator and launches it cooperatively (which fails rather than launch a grid that does not
+// fit), and falls back to the per-tile launches when the device has no cooperative launch or the stream is being
+// captured into a CUDA graph. Every loop around a barrier depends on the kernel's arguments only, so every thread
+// of the grid reaches every barrier, and every `__syncthreads` of the tile resolve is reached by its whole CTA.
+template <typename T>
+struct ChainArgs {
+  Image<T> batch;
+  int64_t images, n, words, supers, mask_entries, step2_warps;
+  int tile_rows;
+  T thr, off;
+};
+
+// CTAs of `tile_rows` threads that have work in some phase, capped at the `resident` CTAs the device holds at once.
+template <typename T>
+LB_HOST_DEVICE int64_t chain_ctas(const ChainArgs<T>& a, int64_t resident) {
+  const int64_t widest = max_of(a.mask_entries, a.step2_warps * 32);
+  return min_of(resident, max_of(a.images, (a.images * widest + a.tile_rows - 1) / a.tile_rows));
+}
+
+// The phases, written once against a `Grid` (the kernel's in cuda/nms_kernel.cu, the emulation's in
+// cpu/nms_tiled_schedule.cpp):
+//   grid.each(images, count, step): step(b, i) for every image b and index i < count, spread over all threads;
+//   grid.warps(images, warps, step): step(b, w, warp) for every image b and warp w < warps, over all warps;
+//   grid.tile(first, rows): every image's tile of rows first .. first + rows - 1 resolved, one CTA per image;
+//   grid.sync(): a grid-wide barrier; the writes before it are visible to every thread after it.
+// No phase reads what another thread writes in the same phase, except `removed` in the propagation, whose ORs
+// are atomic and whose stale reads only cost work (as between the per-tile launches).
+template <typename T, typename Grid>
+LB_HOST_DEVICE void run_chain(const ChainArgs<T>& a, const Grid& grid) {
+  grid.each(a.images, a.words, BlockStep<T>{a.batch, a.tile_rows});
+  grid.each(a.images, a.mask_entries, MaskStep<T>{a.batch, a.tile_rows, a.thr, a.off});
+  grid.sync();
+  grid.each(a.images, a.supers, SuperStep<T>{a.batch, a.tile_rows});
+  for (int64_t first = 0;; first += a.tile_rows) {
+    grid.tile(first, static_cast<int>(min_of(int64_t{a.tile_rows}, a.n - first)));
+    if (first + a.tile_rows >= a.n) return;
+    grid.sync();
+    grid.warps(a.images, a.step2_warps, PropagateStep<T>{a.batch, a.tile_rows, first, a.step2_warps, a.thr, a.off});
+    grid.sync();
+  }
+}
+
 // The input in the kernels' layout: boxes [B, N, 4], scores [B, N], classes [B, N] int64 contiguous (or
 // undefined), all on one device.
 struct TiledInput {
@@ -251,17 +305,25 @@ std::pair<at::Tensor, at::Tensor> run_tiled(const char* op, const TiledInput& in
       im.removed = reinterpret_cast<uint64_t*>(removed.mutable_data_ptr<int64_t>());
       Launch::each(batch, n, PlaceStep<T>{im, tile_rows});
       im.spatial_order = nullptr;  // read by PlaceStep only; freed at the end of this block
-      Launch::each(batch, words, BlockStep<T>{im, tile_rows});
-      Launch::each(batch, supers, SuperStep<T>{im, tile_rows});
     }
     const int64_t mask_entries = padded_rows(n, tile_rows) * tile_words(tile_rows);
     Launch::library(batch * mask_entries);
     const at::Tensor tile_masks = at::empty({batch, mask_entries}, longs);
     im.tile_masks = reinterpret_cast<uint64_t*>(tile_masks.mutable_data_ptr<int64_t>());
     const T thr = static_cast<T>(in.iou_threshold), off = static_cast<T>(in.offset);
-    Launch::each(batch, mask_entries, MaskStep<T>{im, tile_rows, thr, off});
     // Step 2's warps: one per 32 pairs (kept row, super-block) of a full tile, at most propagate_warps.
     const int64_t step2_warps = std::min<int64_t>(propagate_warps, (tile_rows * supers + 31) / 32);
+    // Above one tile, the persistent chain: one launch for the bounds, the masks and every tile (run_chain), when
+    // the launcher can keep its grid resident (else it returns false and the per-tile launches below run).
+    if (tiled && Launch::template chain<T>(ChainArgs<T>{im, batch, n, words, supers, mask_entries, step2_warps,
+                                                        tile_rows, thr, off})) {
+      return;
+    }
+    if (tiled) {
+      Launch::each(batch, words, BlockStep<T>{im, tile_rows});
+      Launch::each(batch, supers, SuperStep<T>{im, tile_rows});
+    }
+    Launch::each(batch, mask_entries, MaskStep<T>{im, tile_rows, thr, off});
     for (int64_t first = 0; first < n; first += tile_rows) {
       const int rows = static_cast<int>(std::min<int64_t>(tile_rows, n - first));
       Launch::template tile<T>(im, batch, tile_rows, first, rows);

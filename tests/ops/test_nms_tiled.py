@@ -41,17 +41,25 @@ def _tiled(
     capacity: int | None = None,
     warps: int = 3,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The emulation on a batch: ``keep [B, capacity]`` and ``counters [B, 4]``."""
-    keep, counters, _ = _schedule(boxes, scores, idxs, iou_threshold, offset, tile_rows, padded, capacity, warps)
+    """The emulation on a batch: ``keep [B, capacity]`` and ``counters [B, 4]``. Above one tile, an even number of
+    boxes runs the persistent chain, an odd one the per-tile launches (its fallback): each test and hypothesis run
+    covers both at the cost of one (test_nms_persistent_chain.py compares the two on the same input)."""
+    persistent = boxes.shape[1] % 2 == 0
+    keep, counters, _ = _schedule(
+        boxes, scores, idxs, iou_threshold, offset, tile_rows, padded, capacity, warps, persistent
+    )
     return keep, counters
 
 
-def _schedule(boxes, scores, idxs, iou_threshold, offset=0, tile_rows=64, padded=False, capacity=None, warps=3):
+def _schedule(
+    boxes, scores, idxs, iou_threshold, offset=0, tile_rows=64, padded=False, capacity=None, warps=3, persistent=True
+):
     """``keep``, ``counters`` and the cost model ``steps [rows, 3]`` (kind, width, depth), always through the tiles
-    (``small_rows=0``: the single-launch path of small images is tested in test_nms_small.py)."""
+    (``small_rows=0``: the single-launch path of small images is tested in test_nms_small.py); above one tile, the
+    persistent chain or (``persistent=False``) the per-tile launches (test_nms_persistent_chain.py)."""
     capacity = boxes.shape[1] if capacity is None else capacity
     schedule = torch.ops.lightning_balanced._nms_tiled_schedule
-    return schedule(boxes, scores, idxs, iou_threshold, offset, padded, capacity, tile_rows, warps, 0)
+    return schedule(boxes, scores, idxs, iou_threshold, offset, padded, capacity, tile_rows, warps, 0, persistent)
 
 
 def _tiled_single(boxes, scores, idxs, iou_threshold, offset=0, tile_rows=64, warps=3) -> torch.Tensor:
@@ -193,7 +201,8 @@ def test_a_chain_of_suppressions_takes_rounds_and_gives_the_greedy_answer() -> N
 @pytest.mark.parametrize("layout", ["uniform", "few_large"])
 @pytest.mark.parametrize("by_class", [False, True], ids=["nms", "batched"])
 def test_the_gpu_schedule_at_100k_boxes_is_wide_and_shallow(layout: str, by_class: bool) -> None:
-    """The cost model of the GPU's schedule (1024-row tiles, 8192 step-2 warps) on 100,000 boxes.
+    """The cost model of the GPU's per-tile schedule (1024-row tiles, 8192 step-2 warps; the fallback of the
+    persistent chain, test_nms_persistent_chain.py) on 100,000 boxes.
 
     - Launches: 2 per tile (its pass, then its kept rows' suppression of later boxes), and a few before (the
       host-side torch ops have rows of their own, kind TORCH_OP).
@@ -207,7 +216,13 @@ def test_the_gpu_schedule_at_100k_boxes_is_wide_and_shallow(layout: str, by_clas
     boxes, scores = _random_boxes(3, n, layout, torch.float32)
     idxs = torch.randint(0, 80, (n,), generator=torch.Generator().manual_seed(0)) if by_class else None
     keep, counters, steps = _schedule(
-        boxes[None], scores[None], None if idxs is None else idxs[None], 0.5, tile_rows=GPU_TILE_ROWS, warps=8192
+        boxes[None],
+        scores[None],
+        None if idxs is None else idxs[None],
+        0.5,
+        tile_rows=GPU_TILE_ROWS,
+        warps=8192,
+        persistent=False,
     )
     assert torch.equal(keep[0, : counters[0, KEPT]], _cpu_kernel(boxes, scores, idxs, 0.5))
     kind, width, depth = steps.T
@@ -244,16 +259,18 @@ def test_batched_nms_as_class_chains_matches_the_reference(data, iou_threshold, 
 @pytest.mark.slow
 def test_batched_nms_runs_its_classes_side_by_side_and_falls_back_to_one_chain_when_one_class_dominates() -> None:
     """100,000 boxes of 80 classes: 2 tiles of the largest class instead of 98 of all boxes. When one class holds
-    90 % of the boxes, the padded rows would take 72x the memory: one chain, the class ids pruning."""
+    90 % of the boxes, the padded rows would take 72x the memory: one chain, the class ids pruning. Counted on the
+    per-tile launches (persistent=False), where a tile is a launch."""
     n = 100_000
     boxes, scores = _random_boxes(3, n, "uniform", torch.float32)
     idxs = torch.randint(0, 80, (n,), generator=torch.Generator().manual_seed(0))
-    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0)
+    per_tile = (1024, 8192, 4096, False)
+    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0, *per_tile)
     assert torch.equal(keep, batched_nms(boxes, scores, idxs, 0.5))
     kind, _, depth = steps.T
     assert int((kind == TILE_KERNEL).sum()) == 2 and int(depth.sum()) < 2_000
     idxs[: n * 9 // 10] = 0
-    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0)
+    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0, *per_tile)
     assert torch.equal(keep, batched_nms(boxes, scores, idxs, 0.5))
     assert int((steps[:, 0] == TILE_KERNEL).sum()) == -(-n // GPU_TILE_ROWS)
 

@@ -23,8 +23,18 @@ using namespace lightning_balanced::nms_tiled;
 
 // The cost model of one call: a row per launch the GPU would make, (kind, parallel width, serial depth), and a row
 // per host-side torch op (an allocation, a sort, a gather, the read of the counters; width: its elements, depth 0).
-enum StepKind : int64_t { kStepKernel = 0, kTileKernel = 1, kTorchOp = 2, kSmallKernel = 3 };
+enum StepKind : int64_t { kStepKernel = 0, kTileKernel = 1, kTorchOp = 2, kSmallKernel = 3, kChainKernel = 4 };
 thread_local std::vector<int64_t>* recorded_steps = nullptr;
+// Whether HostLaunch::chain runs the persistent chain (the op's `persistent` argument), or declines as the CUDA
+// launcher does without cooperative launch or under graph capture, so the per-tile launches run.
+thread_local bool persistent_chain = true;
+
+// The persistent chain's modelled grid: the threads an H100 holds at once of chain_kernel (132 SMs x one CTA of 1024
+// threads: its 64 registers per thread fill an SM's 65,536; ptxas -v, sm_90), in CTAs of tile_rows threads, and
+// the cost of one grid barrier in serial steps (an atomic round trip to L2 and the spin on it, about a
+// microsecond: some tens of IoU tests; a guess until measured on a GPU).
+constexpr int64_t kModelResidentThreads = int64_t{132} * 1024;
+constexpr int64_t kGridBarrierSteps = 32;
 
 void record(StepKind kind, int64_t width, int64_t depth) {
   if (recorded_steps != nullptr) recorded_steps->insert(recorded_steps->end(), {kind, width, depth});
@@ -120,28 +130,86 @@ struct HostLaunch {
   // separate); warp 0's ballots over the rows of a block, one row after another.
   template <typename T>
   static void tile(const Image<T>& batch_image, int64_t batch, int tile_rows, int64_t first, int rows) {
-    const int words = tile_words(tile_rows), used = tile_words(rows);
-    std::vector<uint64_t> cols(tile_rows), suppressed(words), kept(words), m(static_cast<size_t>(tile_rows) * words);
     int64_t depth = 0;
     for (int64_t b = 0; b < batch; ++b) {
-      const Image<T> im = image_at(batch_image, b, tile_rows);
-      std::fill(suppressed.begin(), suppressed.end(), 0);
-      const TileState tile{tile_rows, rows, cols.data(), suppressed.data(), kept.data(), im.counters[kKept]};
-      int64_t image_depth = phase(tile_rows, [&](int t) { load_tile_thread(im, tile, first, t, &m[t * words]); });
-      for (int w = 0; w < used; ++w) {
-        image_depth += phase(1, [&](int) {
-          kept[w] = resolve_block(&cols[w * kWordBits], open_rows(suppressed[w], rows - w * kWordBits), HostWarp{});
-        });
-        image_depth += phase(tile_rows, [&](int t) {
-          LB_COST(kWarpReduceSteps);  // the kernel's OR over the warp
-          suppressed[t / kWordBits] |= kept_row_suppression(tile, w, t, &m[t * words]);
-        });
-      }
-      image_depth += phase(tile_rows, [&](int t) { finish_tile_row(im, tile, first, t); });
-      depth = std::max(depth, image_depth);
+      depth = std::max(depth, resolve_tile(image_at(batch_image, b, tile_rows), tile_rows, first, rows));
     }
     record(kTileKernel, batch * tile_rows, depth);
   }
+
+  // resolve_tile of cuda/nms_kernel.cu for one image (its CTA's shared memory a host buffer); returns its depth.
+  template <typename T>
+  static int64_t resolve_tile(const Image<T>& im, int tile_rows, int64_t first, int rows) {
+    const int words = tile_words(tile_rows), used = tile_words(rows);
+    std::vector<uint64_t> cols(tile_rows), suppressed(words), kept(words), m(static_cast<size_t>(tile_rows) * words);
+    const TileState tile{tile_rows, rows, cols.data(), suppressed.data(), kept.data(), im.counters[kKept]};
+    int64_t depth = phase(tile_rows, [&](int t) { load_tile_thread(im, tile, first, t, &m[t * words]); });
+    for (int w = 0; w < used; ++w) {
+      depth += phase(1, [&](int) {
+        kept[w] = resolve_block(&cols[w * kWordBits], open_rows(suppressed[w], rows - w * kWordBits), HostWarp{});
+      });
+      depth += phase(tile_rows, [&](int t) {
+        LB_COST(kWarpReduceSteps);  // the kernel's OR over the warp
+        suppressed[t / kWordBits] |= kept_row_suppression(tile, w, t, &m[t * words]);
+      });
+    }
+    return depth + phase(tile_rows, [&](int t) { finish_tile_row(im, tile, first, t); });
+  }
+
+  // The persistent chain (chain_kernel of cuda/nms_kernel.cu), unless the op's `persistent` is false (then it
+  // declines, as the CUDA launcher does without cooperative launch or under graph capture). The same phases
+  // (run_chain), a grid barrier emulated by running every thread of a phase before the next phase starts. One
+  // launch in the cost model: its width the modelled resident grid, its depth the sum over the phases of each
+  // phase's deepest physical thread (a thread of the grid-stride loops runs indices i, i + grid threads, ...; a CTA
+  // resolves images b, b + CTAs, ...) plus kGridBarrierSteps per barrier.
+  template <typename T>
+  static bool chain(const ChainArgs<T>& args) {
+    if (!persistent_chain) return false;
+    const int64_t ctas = chain_ctas(args, kModelResidentThreads / args.tile_rows);
+    HostGrid<T> grid{args, ctas, ctas * args.tile_rows};
+    run_chain(args, grid);
+    record(kChainKernel, ctas * args.tile_rows, grid.depth + grid.phase);
+    return true;
+  }
+
+  // The `Grid` of run_chain, run on the host one index after another.
+  template <typename T>
+  struct HostGrid {
+    const ChainArgs<T>& args;
+    int64_t ctas, threads;
+    mutable int64_t depth = 0;  // the phases before the current one, barriers included
+    mutable int64_t phase = 0;  // the current phase (an upper bound: its parts' deepest threads added)
+
+    // Adds the deepest of `units` physical units, unit u running the items u, u + units, ... (their steps summed).
+    template <typename F>
+    void spread(int64_t items, int64_t units, const F& item) const {
+      std::vector<int64_t> load(static_cast<size_t>(std::max<int64_t>(0, std::min(items, units))), 0);
+      for (int64_t i = 0; i < items; ++i) {
+        serial_steps() = 0;
+        item(i);
+        load[i % units] += serial_steps();
+      }
+      phase += load.empty() ? 0 : *std::max_element(load.begin(), load.end());
+    }
+    template <typename F>
+    void each(int64_t images, int64_t count, const F& step) const {
+      spread(images * count, threads, [&](int64_t i) { step(i / count, i % count); });
+    }
+    template <typename F>
+    void warps(int64_t images, int64_t warps, const F& step) const {
+      spread(images * warps, threads / 32, [&](int64_t i) { step(i / warps, i % warps, HostWarp{}); });
+    }
+    void tile(int64_t first, int rows) const {
+      spread(args.images, ctas, [&](int64_t b) {
+        const int64_t d = resolve_tile(image_at(args.batch, b, args.tile_rows), args.tile_rows, first, rows);
+        serial_steps() = d + 1;  // and the CTA barrier before the next image
+      });
+    }
+    void sync() const {
+      depth += phase + kGridBarrierSteps;
+      phase = 0;
+    }
+  };
 
   // The threads 0 .. count - 1 one after another; returns the largest number of serial steps one ran.
   template <typename F>
@@ -173,8 +241,14 @@ void check_schedule_sizes(const char* op, int64_t tile_rows, int64_t propagate_w
 // Records the cost model while it lives (one call of an op); `steps()`: [launches, 3] (kind, width, depth).
 class Recording {
  public:
-  Recording() { recorded_steps = &steps_; }
-  ~Recording() { recorded_steps = nullptr; }
+  explicit Recording(bool persistent) {
+    recorded_steps = &steps_;
+    persistent_chain = persistent;
+  }
+  ~Recording() {
+    recorded_steps = nullptr;
+    persistent_chain = true;
+  }
   Recording(const Recording&) = delete;
   Recording& operator=(const Recording&) = delete;
   at::Tensor steps() const {
@@ -187,7 +261,8 @@ class Recording {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
     const at::Tensor& boxes, const at::Tensor& scores, const std::optional<at::Tensor>& idxs, double iou_threshold,
-    int64_t offset, bool padded, int64_t capacity, int64_t tile_rows, int64_t propagate_warps, int64_t small_rows) {
+    int64_t offset, bool padded, int64_t capacity, int64_t tile_rows, int64_t propagate_warps, int64_t small_rows,
+    bool persistent) {
   constexpr const char* op = "_nms_tiled_schedule";
   lightning_balanced::check_padded_args(op, boxes, scores, idxs, iou_threshold, capacity, offset);
   TORCH_CHECK_VALUE(boxes.device().is_cpu(), op, ": the CPU kernel got tensors on ", boxes.device());
@@ -199,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
                          offset,
                          padded,
                          capacity};
-  const Recording recording;
+  const Recording recording(persistent);
   if (takes_small_path<HostLaunch>(input, small_rows)) {
     // As padded_nms (nms_tiled_driver.h): the outputs keep and, padded, num_kept (host ops); the raw counters too,
     // for the tests, not counted. num_kept is checked against the counters here.
@@ -228,7 +303,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
 std::tuple<at::Tensor, at::Tensor> nms_tiled_cpu(const at::Tensor& boxes, const at::Tensor& scores,
                                                  const std::optional<at::Tensor>& idxs, double iou_threshold,
                                                  int64_t offset, int64_t tile_rows, int64_t propagate_warps,
-                                                 int64_t small_rows) {
+                                                 int64_t small_rows, bool persistent) {
   constexpr const char* op = "_nms_tiled";
   lightning_balanced::check_nms_args(op, boxes, scores, iou_threshold, offset);
   TORCH_CHECK_VALUE(boxes.device().is_cpu(), op, ": the CPU kernel got tensors on ", boxes.device());
@@ -238,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor> nms_tiled_cpu(const at::Tensor& boxes, const 
     lightning_balanced::check_idxs_arg(boxes, *idxs);
     classes = lightning_balanced::idxs_as_int64(*idxs);
   }
-  const Recording recording;
+  const Recording recording(persistent);
   const at::Tensor keep = tiled_nms<HostLaunch>(op, boxes, scores, classes, iou_threshold, offset,
                                                 static_cast<int>(tile_rows), propagate_warps, small_rows);
   return {keep, recording.steps()};

@@ -11,6 +11,30 @@
 // batched_nms then issue one allocation, that launch and the read of the kept count, batched_nms_padded two
 // allocations and the launch. Not yet run on a GPU (issue 40): checked through the emulation and compiled only.
 //
+// Above one tile (1024 boxes per image or class row), the persistent chain (issue 40): after the prepare and place
+// launches, ONE cooperative launch of chain_kernel runs the bounds, the masks and every tile's resolve and
+// propagation, its phases separated by grid barriers (run_chain of ops/nms_tiled_driver.h): 3 launches per call
+// at any N, against 2 per tile before. CudaLaunch::chain falls back to the per-tile launches (step_kernel,
+// tile_kernel, warp_kernel, unchanged) when the device has no cooperative launch, when the current stream is being
+// captured into a CUDA graph (batched_nms_padded in a graph keeps its plain launches: whether a cooperative launch
+// may be captured, and replayed with its co-residency guarantee, is not something we could check without a GPU),
+// or when the cooperative launch reports the grid too large. NOT YET RUN ON A GPU: exact through the emulation,
+// compiled for sm_75 .. sm_120. The risks for its first run:
+//   - co-residency: a grid barrier with a CTA not resident deadlocks. The grid is min(CTAs with work, occupancy
+//     calculator's CTAs per SM x SMs), launched only by cudaLaunchCooperativeKernel, which refuses a grid that
+//     cannot be co-resident instead of running it; ptxas gives chain_kernel 64 registers per thread (sm_90), so one
+//     CTA of 1024 threads per SM;
+//   - memory order across CTAs: plain stores of one phase (tile_kept, counters, the tile masks, the bounds) are read
+//     by other CTAs after the barrier; cooperative_groups' grid sync fences (__threadfence) before arriving and after
+//     leaving, as the memory model requires for plain loads after it to see them (no L1-stale reads). `removed`'s
+//     ORs are atomic; its plain reads in the propagation may be stale, which costs work only, as before;
+//   - every grid barrier is reached by every thread: the loops around them depend on the kernel's arguments only;
+//     the __syncthreads of the tile resolve sit in a CTA-uniform loop over the CTA's images; the grid-stride loops
+//     of the other phases hold no barrier, and the propagation's loop is warp-uniform for its ballots;
+//   - spills: 400 bytes per thread (sm_90, float32), in L1-cached local memory; a cost, not a fault;
+//   - stream and memory: the current torch stream, scratch from torch's caching allocator as before, no new host
+//     sync (the one read of the kept count stays after the launches).
+//
 // Same semantics and arithmetic as the CPU kernel (cpu/nms_kernel.cpp); every operation uses the
 // round-to-nearest intrinsics, so the result matches the float32/float64 reference bit for bit. The keep
 // pass runs on the device: nms reads back one small array of counters (its only sync), batched_nms also the
@@ -23,6 +47,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cooperative_groups.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -109,23 +134,29 @@ __global__ void __launch_bounds__(kSmallThreads) small_kernel(SmallArgs<T, scala
   small_nms(args, blockIdx.y, small_smem, DeviceCta{static_cast<int>(threadIdx.x)});
 }
 
-// Step 1 of one tile (one CTA of kRows threads per image): load, then for each 64-row block in order, warp 0
-// resolves the block in rounds and every thread ORs its kept row's suppression of later blocks into
-// `suppressed` (a warp-wide OR, then one shared atomic per warp); then each row is marked decided and the kept
-// rows are written out. Two barriers per block; no thread runs a loop over the rows.
+// The tile resolve's shared memory (one CTA of kRows threads).
+template <int kRows>
+struct TileShared {
+  static constexpr int kWords = kRows / kWordBits;
+  uint64_t cols[kRows];
+  uint64_t suppressed[kWords];
+  uint64_t kept[kWords];
+  int64_t base;
+};
+
+// Step 1 of one tile of image `im`, by the whole CTA of kRows threads (called CTA-uniformly): load, then for each
+// 64-row block in order, warp 0 resolves the block in rounds and every thread ORs its kept row's suppression of
+// later blocks into `suppressed` (a warp-wide OR, then one shared atomic per warp); then each row is marked decided
+// and the kept rows are written out. Two barriers per block; no thread runs a loop over the rows. Ends without a
+// barrier: a caller that reuses `s` for another image syncs first.
 template <typename T, int kRows>
-__global__ void __launch_bounds__(kRows) tile_kernel(Image<T> batch, int64_t first, int rows) {
-  constexpr int kWords = kRows / kWordBits;
-  __shared__ uint64_t cols[kRows];
-  __shared__ uint64_t suppressed[kWords];
-  __shared__ uint64_t kept[kWords];
-  __shared__ int64_t base;
-  const Image<T> im = image_at(batch, blockIdx.y, kRows);
+__device__ __forceinline__ void resolve_tile(const Image<T>& im, int64_t first, int rows, TileShared<kRows>& s) {
+  constexpr int kWords = TileShared<kRows>::kWords;
   const int t = threadIdx.x;
-  if (t < kWords) suppressed[t] = 0;
-  if (t == 0) base = im.counters[kKept];
+  if (t < kWords) s.suppressed[t] = 0;
+  if (t == 0) s.base = im.counters[kKept];
   __syncthreads();
-  const TileState tile{kRows, rows, cols, suppressed, kept, base};
+  const TileState tile{kRows, rows, s.cols, s.suppressed, s.kept, s.base};
   uint64_t m[kWords];
   load_tile_thread(im, tile, first, t, m);
   __syncthreads();
@@ -134,17 +165,69 @@ __global__ void __launch_bounds__(kRows) tile_kernel(Image<T> batch, int64_t fir
   for (int w = 0; w < kWords; ++w) {  // unrolled, so m[w] stays in registers
     if (w < used) {  // the same for every thread
       if (t < 32) {
-        const uint64_t k = resolve_block(cols + w * kWordBits, open_rows(suppressed[w], rows - w * kWordBits),
+        const uint64_t k = resolve_block(s.cols + w * kWordBits, open_rows(s.suppressed[w], rows - w * kWordBits),
                                          DeviceWarp{t});
-        if (t == 0) kept[w] = k;
+        if (t == 0) s.kept[w] = k;
       }
       __syncthreads();
       const uint64_t bits = warp_or(kept_row_suppression(tile, w, t, m));
-      if (t % 32 == 0 && bits != 0) or_word(&suppressed[t / kWordBits], bits);
+      if (t % 32 == 0 && bits != 0) or_word(&s.suppressed[t / kWordBits], bits);
       __syncthreads();
     }
   }
   finish_tile_row(im, tile, first, t);
+}
+
+template <typename T, int kRows>
+__global__ void __launch_bounds__(kRows) tile_kernel(Image<T> batch, int64_t first, int rows) {
+  __shared__ TileShared<kRows> shared;
+  resolve_tile<T, kRows>(image_at(batch, blockIdx.y, kRows), first, rows, shared);
+}
+
+// The `Grid` of run_chain (nms_tiled_driver.h) on the persistent kernel's grid of CTAs of kRows threads. Its loops
+// depend on the kernel's arguments and the thread's (or warp's, or CTA's) index only: grid-stride loops whose
+// trip counts differ between threads but never contain a barrier, and a CTA-uniform loop around resolve_tile.
+template <typename T, int kRows>
+struct DeviceGrid {
+  const ChainArgs<T>& args;
+  TileShared<kRows>& shared;
+
+  // cooperative_groups' grid barrier: a CTA barrier, then one thread per CTA fences (__threadfence), arrives on a
+  // counter in global memory and spins on it, fences again, then a CTA barrier. Valid in a cooperative launch only
+  // (CudaLaunch::chain launches no other way). It orders memory as the end of a kernel launch would: the writes
+  // before it (plain stores included) are visible to every thread after it.
+  __device__ void sync() const { cooperative_groups::this_grid().sync(); }
+
+  template <typename F>
+  __device__ void each(int64_t images, int64_t count, const F& step) const {
+    const int64_t total = images * count, stride = int64_t{gridDim.x} * kRows;
+    for (int64_t i = int64_t{blockIdx.x} * kRows + threadIdx.x; i < total; i += stride) step(i / count, i % count);
+  }
+
+  template <typename F>
+  __device__ void warps(int64_t images, int64_t warps, const F& step) const {
+    // The loop is warp-uniform (its index is the warp's), so the warp's collectives see all 32 lanes.
+    const int64_t total = images * warps, stride = int64_t{gridDim.x} * (kRows / 32);
+    const DeviceWarp warp{static_cast<int>(threadIdx.x % 32)};
+    for (int64_t i = (int64_t{blockIdx.x} * kRows + threadIdx.x) / 32; i < total; i += stride) {
+      step(i / warps, i % warps, warp);
+    }
+  }
+
+  __device__ void tile(int64_t first, int rows) const {
+    for (int64_t b = blockIdx.x; b < args.images; b += gridDim.x) {  // CTA-uniform
+      resolve_tile<T, kRows>(image_at(args.batch, b, kRows), first, rows, shared);
+      __syncthreads();  // `shared` is reused by the next image
+    }
+  }
+};
+
+// The persistent chain (run_chain of nms_tiled_driver.h): every CTA stays for all phases. Launched cooperatively
+// only, with at most the CTAs the device holds at once.
+template <typename T, int kRows>
+__global__ void __launch_bounds__(kRows) chain_kernel(ChainArgs<T> args) {
+  __shared__ TileShared<kRows> shared;
+  run_chain(args, DeviceGrid<T, kRows>{args, shared});
 }
 
 struct CudaLaunch {
@@ -189,12 +272,44 @@ struct CudaLaunch {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
+  // The persistent chain, when the device can run it: a cooperative launch of chain_kernel on the current stream,
+  // its grid the CTAs with work, at most what the occupancy calculator says is resident at once. Returns false
+  // (nothing launched; the caller runs the per-tile launches) when the device has no cooperative launch, when the
+  // current stream is being captured into a CUDA graph (batched_nms_padded's graphs keep the plain launches), or
+  // when not one CTA fits an SM. Host queries only, no sync.
+  template <typename T>
+  static bool chain(const ChainArgs<T>& args) {
+    TORCH_INTERNAL_ASSERT(args.tile_rows == kTileRows);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) return false;
+    int device = 0, cooperative = 0, sms = 0, per_sm = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
+    if (cooperative == 0) return false;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const auto kernel = chain_kernel<T, kTileRows>;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTileRows, 0));
+    if (per_sm <= 0 || sms <= 0) return false;
+    const int64_t ctas = chain_ctas(args, int64_t{per_sm} * sms);
+    ChainArgs<T> arg = args;
+    void* params[] = {&arg};
+    const cudaError_t launched = cudaLaunchCooperativeKernel(
+        reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(ctas)), dim3(kTileRows), params, 0, stream);
+    if (launched == cudaErrorCooperativeLaunchTooLarge) {  // fewer SMs than reported (MPS limits): not launched
+      (void)cudaGetLastError();                            // clear it; the per-tile launches run instead
+      return false;
+    }
+    C10_CUDA_CHECK(launched);
+    return true;
+  }
+
   template <typename T>
   static void tile(const Image<T>& batch_image, int64_t batch, int tile_rows, int64_t first, int rows) {
     TORCH_INTERNAL_ASSERT(tile_rows == kTileRows);
     const dim3 grid(1, static_cast<unsigned>(batch));
-    tile_kernel<T, kTileRows><<<grid, kTileRows, 0, c10::cuda::getCurrentCUDAStream()>>>(batch_image, first,
-                                                                                                 rows);
+    tile_kernel<T, kTileRows><<<grid, kTileRows, 0, c10::cuda::getCurrentCUDAStream()>>>(batch_image, first, rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
