@@ -31,9 +31,11 @@ the micro-batched forward pays once per micro-batch and hop, the whole batch onc
 The processes sleep instead of computing, so they hardly compete for the machine's cores (the micro-batched forward's
 exchanges take up to a fifth of a core per rank); one torch thread each. CPU only: a GPU form needs one GPU per process
 (NCCL), more than the one-GPU machines this project is lent. The summary line ends ``1f1b_step_ratio=``,
-``1f1b_stage0_saved_ratio=`` (schedules part) and ``validation_speedup=`` (validation part).
+``1f1b_stage0_saved_ratio=`` (schedules part) and ``validation_speedup=`` (validation part). ``--part memory`` runs
+``bench_pipeline_memory.py`` (each rank's peak host memory while building, training and saving, beside its stage's
+bytes, for a model built on the meta device against one built whole).
 
-Usage: ``python benchmarks/bench_pipeline.py [--part all|schedules|validation] [--ranks 4] [--chunks 16]
+Usage: ``python benchmarks/bench_pipeline.py [--part all|schedules|validation|memory] [--ranks 4] [--chunks 16]
 [--forward-ms 5] [--steps 6] [--val-batches 8] [--rounds 2]``
 """
 
@@ -43,8 +45,11 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -284,7 +289,10 @@ def _print_validation(results: dict[int, list[float]], args: argparse.Namespace)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--part", choices=("all", "schedules", "validation"), default="all", help="what to measure (default: all)"
+        "--part",
+        choices=("all", "schedules", "validation", "memory"),
+        default="all",
+        help="what to measure (default: all but memory; memory runs bench_pipeline_memory.py's default run)",
     )
     parser.add_argument("--ranks", type=int, default=4, help="processes, one pipeline of p ranks")
     parser.add_argument("--chunks", type=int, default=16, help="micro-batches per batch, m")
@@ -293,6 +301,9 @@ def main() -> None:
     parser.add_argument("--val-batches", type=int, default=8, help="batches per validate (the first is warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of all schedules (and forms), in turns")
     args = parser.parse_args()
+    if args.part == "memory":  # each rank's peak host memory beside its stage's bytes: its own script, own ranks
+        subprocess.run([sys.executable, str(Path(__file__).with_name("bench_pipeline_memory.py"))], check=True)
+        return
     args.schedules = _schedules()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

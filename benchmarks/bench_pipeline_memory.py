@@ -2,10 +2,11 @@
 for a model built on the meta device against one built whole on every rank.
 
 ``--ranks`` CPU processes (4 by default, one torch thread each) joined by gloo form one pipeline,
-``PipelineStrategy(schedule="1F1B", chunks=ranks, balance=[4] * ranks)``, one stage per rank. The ``nn.Sequential`` is
-``--ranks`` stages of ``Linear(w, w), Tanh, Linear(w, w), Tanh`` in float32, ``w`` chosen so that a stage holds about
-``--stage-mb`` MiB of parameters (200 by default: ``w = 5120``); the batch is 2 samples per rank in ``--ranks``
-micro-batches (1F1B takes no fewer micro-batches than stages), so the activations are a few hundred KiB; the loss is
+``PipelineStrategy(schedule="1F1B", chunks=ranks, balance=[2n] * ranks)``, one stage per rank. The ``nn.Sequential``
+is ``--ranks`` stages of ``n = --linears-per-stage`` (2) pairs ``Linear(w, w), Tanh`` in float32, ``w`` chosen so that a
+stage holds about ``--stage-mb`` MiB of parameters (200 by default: ``w = 5120``); the batch is 2 samples per rank in
+``--ranks`` micro-batches (1F1B takes no fewer micro-batches than stages), so the activations are a few hundred KiB; the
+loss is
 ``F.mse_loss`` (``compute_loss``); the optimizer plain SGD (no momentum: no optimizer state). Two configurations,
 each in its own spawn of the ranks, one after the other:
 
@@ -25,10 +26,9 @@ high-water mark (``5`` into ``/proc/self/clear_refs``) and reads ``VmRSS``; at i
 * ``train``: ``on_train_start`` to ``on_train_end`` (callback hooks): ``--steps`` steps of the schedule (forward,
   backward, SGD step). The parameters are already there at its start, so its growth is what training adds: the
   stage's gradients (1x its bytes); from the second micro-batch on, one layer's new weight gradient before autograd
-  adds it into ``.grad`` (a plain ``Linear`` accumulating two backward passes shows the same, 0.5x here); from the
-  second step on, the previous step's gradients, which the strategy keeps while the schedule computes the new ones
-  (Lightning's ``zero_grad`` runs after ``training_step``, in which the schedule has already run backward: 1x more);
-  and the schedule's buffers and activations (small);
+  adds it into ``.grad`` (a plain ``Linear`` accumulating two backward passes shows the same: 1 / n of the stage
+  with ``--linears-per-stage n``, 0.5x at the default 2); and the schedule's buffers and activations (small). (Until
+  2026-11-28 the strategy also kept the previous step's gradients while the schedule computed the new ones: 1x more.)
 * ``end``: from ``on_train_end`` until ``trainer.fit`` returns (the strategy's ``on_train_end``, which for ``eager``
   broadcasts every stage's trained weights to every rank, and the teardown);
 * ``save``: ``trainer.save_checkpoint`` of a sharded checkpoint (``torch.distributed.checkpoint``, each rank writes its
@@ -83,21 +83,19 @@ from lightning_balanced import PipelineStrategy
 from tests.distributed import run_distributed
 
 MIB = 2**20
-LINEARS_PER_STAGE = 2
-LAYERS_PER_STAGE = 2 * LINEARS_PER_STAGE  # Linear, Tanh, Linear, Tanh
 SAMPLES_PER_CHUNK = 2
 GOAL = 1.5
 PHASES = ("build", "train", "end", "save")
 
 
-def _width(stage_mb: float) -> int:
-    """The width ``w`` whose ``LINEARS_PER_STAGE`` float32 ``Linear(w, w)`` weights hold ``stage_mb`` MiB."""
-    return max(8, round(math.sqrt(stage_mb * MIB / (4 * LINEARS_PER_STAGE))))
+def _width(stage_mb: float, linears: int) -> int:
+    """The width ``w`` whose ``linears`` float32 ``Linear(w, w)`` weights hold ``stage_mb`` MiB."""
+    return max(8, round(math.sqrt(stage_mb * MIB / (4 * linears))))
 
 
-def _layers(width: int, stages: int) -> nn.Sequential:
+def _layers(width: int, stages: int, linears: int) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for _ in range(stages * LINEARS_PER_STAGE):
+    for _ in range(stages * linears):
         layers += [nn.Linear(width, width), nn.Tanh()]
     return nn.Sequential(*layers)
 
@@ -105,18 +103,18 @@ def _layers(width: int, stages: int) -> nn.Sequential:
 class _Model(pl.LightningModule):
     """The pipelined MLP: built whole in ``__init__`` (``eager``), or on the meta device in ``configure_model``."""
 
-    def __init__(self, width: int, stages: int, on_meta: bool) -> None:
+    def __init__(self, width: int, stages: int, linears: int, on_meta: bool) -> None:
         super().__init__()
-        self.width, self.stages, self.on_meta = width, stages, on_meta
+        self.width, self.stages, self.linears, self.on_meta = width, stages, linears, on_meta
         self.sequential_module: nn.Sequential | None = None
         if not on_meta:
             torch.manual_seed(0)
-            self.sequential_module = _layers(width, stages)
+            self.sequential_module = _layers(width, stages, linears)
 
     def configure_model(self) -> None:
         if self.sequential_module is None:
             with torch.device("meta"):
-                self.sequential_module = _layers(self.width, self.stages)
+                self.sequential_module = _layers(self.width, self.stages, self.linears)
 
     def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(output, target)
@@ -180,18 +178,21 @@ def _bytes(params: Any) -> int:
 
 def _rank(rank: int, world_size: int, on_meta: bool, args: argparse.Namespace, directory: str) -> dict[str, Any]:
     _quiet()
-    width = _width(args.stage_mb)
+    width = _width(args.stage_mb, args.linears_per_stage)
     g = torch.Generator().manual_seed(0)
     batch = SAMPLES_PER_CHUNK * world_size
     n = batch * args.steps
     data = TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, width, generator=g))
     meter = PhaseMemory()
     meter.start("build")
-    model = _Model(width, world_size, on_meta)
+    model = _Model(width, world_size, args.linears_per_stage, on_meta)
+    per_stage = 2 * args.linears_per_stage  # Linear, Tanh, ...
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=PipelineStrategy(schedule="1F1B", chunks=world_size, balance=[LAYERS_PER_STAGE] * world_size),
+        strategy=PipelineStrategy(
+            schedule="1F1B", chunks=world_size, balance=[2 * args.linears_per_stage] * world_size
+        ),
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
@@ -208,7 +209,8 @@ def _rank(rank: int, world_size: int, on_meta: bool, args: argparse.Namespace, d
     meter.end()
     sequential = model.sequential_module
     assert sequential is not None
-    own = list(sequential)[rank * LAYERS_PER_STAGE : (rank + 1) * LAYERS_PER_STAGE]
+    per_stage = 2 * args.linears_per_stage
+    own = list(sequential)[rank * per_stage : (rank + 1) * per_stage]
     return {
         "stage": _bytes(p for layer in own for p in layer.parameters()),
         "holds": _bytes(p for p in sequential.parameters() if not p.is_meta),
@@ -269,15 +271,21 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="gloo CPU processes, one pipeline stage each")
     parser.add_argument("--stage-mb", type=float, default=200.0, help="parameters per stage, MiB (float32)")
     parser.add_argument("--steps", type=int, default=3, help="training steps")
+    parser.add_argument(
+        "--linears-per-stage",
+        type=int,
+        default=2,
+        help="Linear(w, w) + Tanh pairs per stage (the transient grows as 1/n)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run (< 60 s): --stage-mb 20 --ranks 2")
     args = parser.parse_args()
     if args.quick:
         args.stage_mb, args.ranks = 20.0, 2
     if args.ranks < 2 or args.steps < 1 or args.stage_mb <= 0:
         parser.error("--ranks must be >= 2, --steps >= 1, --stage-mb > 0")
-    width = _width(args.stage_mb)
+    width = _width(args.stage_mb, args.linears_per_stage)
     print(
-        f"{args.ranks} ranks x 1 stage of {LINEARS_PER_STAGE} x Linear({width}, {width}) float32,"
+        f"{args.ranks} ranks x 1 stage of {args.linears_per_stage} x Linear({width}, {width}) float32,"
         f" batch {SAMPLES_PER_CHUNK * args.ranks} in {args.ranks} micro-batches, 1F1B, {args.steps} SGD steps, CPU,"
         f" torch {torch.__version__}, 1 thread per process"
     )

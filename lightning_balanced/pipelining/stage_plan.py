@@ -97,6 +97,24 @@ class ScheduleSpec:
 # 2.13.0 and 2.14.1 (2.12 was not tried).
 RUNS_FROM = "2.8"
 RUNS_FROM_V = "2.13"
+#: The first torch release on which a schedule was seen to train stages that pass several tensors (a tuple) to the
+#: next: torch 2.4.1's GPipe waited forever in its exchange there (2026-11-28); 2.13 trains them exactly.
+SEVERAL_TENSORS_FROM = "2.13"
+
+
+def check_several_tensors(where: str) -> None:
+    """Refuse, naming the release, a tuple of tensors between stages (``where``) under a torch that hangs on it.
+
+    Raises:
+        ValueError: the installed torch is older than :data:`SEVERAL_TENSORS_FROM`.
+    """
+    if TorchVersion(torch.__version__) < SEVERAL_TENSORS_FROM:
+        raise ValueError(
+            f"strategy='pipeline' trains stages that pass several tensors (a tuple) to the next from torch"
+            f" {SEVERAL_TENSORS_FROM} (torch {torch.__version__} hangs in the schedule's exchange); {where} passes a"
+            " tuple: upgrade torch, or pass one tensor (evaluation takes tuples on any torch)"
+        )
+
 
 #: The schedules by name.
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -162,6 +180,12 @@ def stage_owners(pipeline_size: int, stages_per_rank: int, placement: Placement)
         for stage in stage_indices(rank, pipeline_size, stages_per_rank, placement):
             owners[stage] = rank
     return owners
+
+
+def stage_layers(balance: list[int], stage: int) -> range:
+    """The indices in the ``nn.Sequential`` of stage ``stage``'s layers, under ``balance`` (layers per stage)."""
+    start = sum(balance[:stage])
+    return range(start, start + balance[stage])
 
 
 def cut_sequential(sequential: nn.Sequential, balance: list[int]) -> list[nn.Sequential]:

@@ -8,7 +8,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -36,11 +35,11 @@ from lightning_balanced.pipeline.balance import (
     split_costs,
 )
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
-from lightning_balanced.pipeline.recompute import recomputing
 from lightning_balanced.pipeline.sequential import find_sequential
 from lightning_balanced.pipelining.bubble import BusyTimer, bubble
 from lightning_balanced.pipelining.materialize import is_on_meta, materialize, materialize_layers
-from lightning_balanced.pipelining.p2p_forward import StageExamples, pipelined_forward
+from lightning_balanced.pipelining.precision import with_global_norm_clipping
+from lightning_balanced.pipelining.runtime import Activation, PipelineRuntime, StageModule, build_runtime, first_tensor
 from lightning_balanced.pipelining.sharded_checkpoint import (
     flat_optimizer_state,
     is_sharded_checkpoint,
@@ -49,11 +48,12 @@ from lightning_balanced.pipelining.sharded_checkpoint import (
 )
 from lightning_balanced.pipelining.stage_plan import (
     ScheduleSpec,
-    cut_sequential,
     schedule_spec,
     stage_indices,
+    stage_layers,
     stage_owners,
 )
+from lightning_balanced.pipelining.step_exchange import SharedGradients, mark_non_finite, non_finite, pack_moments
 from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.ranks.stop_notices import StopNotices
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
@@ -93,46 +93,6 @@ def _ddp_defaults() -> dict[str, Any]:
 LOSS_HOOK = "compute_loss"
 #: The optional LightningModule hook that splits a training batch into the first stage's input(s) and the target.
 BATCH_HOOK = "pipeline_batch"
-
-#: What travels into and between stages: one tensor, or a tuple of tensors (the next stage gets the tuple).
-Activation = Tensor | tuple[Tensor, ...]
-
-
-class _Stage(nn.Module):
-    """One stage as torch's ``PipelineStage`` runs it: its layers, recomputed in backward when checkpointed.
-
-    Checkpointing is ``torch.utils.checkpoint``, non-reentrant. An output tensor that is a leaf (the stage's own input,
-    returned by a stage of only ``nn.Identity`` or ``nn.Dropout(0.0)``) leaves as a copy: torch 2.11's split backward
-    (``stage_backward_input``, the zero-bubble schedules) detaches the stage's outputs in place, which then detached the
-    receive buffer of the next micro-batch ("element 0 of tensors does not require grad and does not have a grad_fn").
-    A copy, not a view: a view cannot be detached in place. Only such a stage pays for it.
-    """
-
-    def __init__(self, layers: nn.Module, checkpointed: bool) -> None:
-        super().__init__()
-        self.layers = layers
-        self.checkpointed = checkpointed
-
-    def forward(self, *inputs: Tensor) -> Any:
-        # torch's PipelineStage calls a stage with the previous stage's tensors as arguments; the layers take them as
-        # nn.Sequential passes a value on: one tensor, or the tuple the previous layer returned
-        x: Activation = inputs[0] if len(inputs) == 1 else inputs
-        if self.checkpointed:  # the recomputation in backward is marked, so DeferredBatchNorm counts it once
-            output = activation_checkpoint(
-                self.layers, x, use_reentrant=False, context_fn=lambda: (nullcontext(), recomputing())
-            )
-        else:
-            output = self.layers(x)
-        return _with_grad_fn(output)
-
-
-def _with_grad_fn(output: Any) -> Any:
-    """``output`` with each leaf tensor that requires grad replaced by a copy of itself (in tuples and lists too)."""
-    if isinstance(output, Tensor):
-        return output.clone() if output.requires_grad and output.grad_fn is None else output
-    if isinstance(output, (tuple, list)) and not hasattr(output, "_fields"):
-        return type(output)(_with_grad_fn(item) for item in output)
-    return output
 
 
 class _PipelinedSequential(nn.Sequential):
@@ -327,15 +287,13 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._stop_notices: StopNotices | None = None
         self._dp_group: dist.ProcessGroup | None = None
         self._pipelined: _PipelinedSequential | None = None
-        self._stages: dict[int, _Stage] = {}
+        self._runtime: PipelineRuntime | None = None  # this rank's stages and schedules, built at setup
         self._owners: list[int] = []
-        self._schedules: dict[tuple[Any, ...], Any] = {}
         self._step_grads: list[tuple[Tensor, Tensor]] = []
         self._micro_batch_losses: list[Tensor] = []
         self._loss_weight = 1.0 / self.chunks
         self._loss_parameters: list[nn.Parameter] = []
         self._loss_parameter_grads: list[Tensor | None] = []
-        self._deferred: list[DeferredBatchNorm] = []  # this rank's stages' DeferredBatchNorm layers, found at setup
         self._built_on_meta = False  # the model came built on the meta device: each rank materializes its own stages
         self._balance_method = "given"  # how the balance was chosen, for the report
 
@@ -442,7 +400,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        self.precision_plugin = with_global_norm_clipping(self.precision_plugin, self._clip_grad_by_global_norm)
         self._report()
 
     def _build_stages(self, module: pl.LightningModule) -> None:
@@ -474,14 +432,19 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             self._materialize_own_layers(module, sequential, mine)
         if self.deferred_batch_norm:  # in place: the stages and the wrapper below hold the converted layers
             DeferredBatchNorm.convert_deferred_batch_norm(sequential)
-        stages = cut_sequential(sequential, balance)
         in_sequential = {id(param) for param in sequential.parameters()}
         self._loss_parameters = [param for param in module.parameters() if id(param) not in in_sequential]
-        self._stages = {s: _Stage(stages[s], self.activation_checkpointing) for s in mine}
-        self._deferred = [
-            m for _, stage in sorted(self._stages.items()) for m in stage.modules() if isinstance(m, DeferredBatchNorm)
-        ]
-        self._schedules = {}
+        assert self._pp_group is not None
+        self._runtime = build_runtime(
+            sequential,
+            balance,
+            self._owners,
+            mine,
+            self.pipeline_rank,
+            self._pp_group,
+            self.root_device,
+            self.activation_checkpointing,
+        )
         self._timer = BusyTimer(self.root_device) if self.log_bubble else None
         self._pipelined = _PipelinedSequential(sequential, self)
         setattr(module, self.module_name, self._pipelined)
@@ -517,7 +480,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             raise ValueError(f"`balance`='memory' measures CUDA memory, but the device is {self.root_device}")
         chosen: list[Any] = [None, None]
         if self.global_rank == 0:
-            size = max(_first(example).shape[0] // self.chunks, 1)
+            size = max(first_tensor(example).shape[0] // self.chunks, 1)
             micro = tuple(t[:size] for t in example) if isinstance(example, tuple) else example[:size]
             chosen = list(choose_balance(list(sequential), micro, num_stages, self.root_device, choice))
         dist.broadcast_object_list(chosen, src=0)
@@ -537,18 +500,13 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                 " checkpoint cannot be one file; keep `save_distributed_checkpoint=True` (the default)"
             )
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        owned = [layer for stage in mine for layer in self._layer_range(stage)]
+        owned = [layer for stage in mine for layer in stage_layers(self._balance, stage)]
         materialize_layers(sequential, owned, self.root_device, seed)
         module._modules[self.module_name] = None  # the rest of the LightningModule, without the Sequential
         try:
             materialize(module, self.root_device, seed - 1, f"{type(module).__name__} (outside `{self.module_name}`)")
         finally:
             module._modules[self.module_name] = sequential
-
-    def _layer_range(self, stage: int) -> range:
-        """The indices in the ``nn.Sequential`` of stage ``stage``'s layers."""
-        start = sum(self._balance[:stage])
-        return range(start, start + self._balance[stage])
 
     def _report(self) -> None:
         lines = [
@@ -606,9 +564,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         if self._pipelined is not None and module is not None:
             setattr(module, self.module_name, DeferredBatchNorm.revert_deferred_batch_norm(self._pipelined.unwrap()))
         self._pipelined = None
-        self._stages = {}
-        self._deferred = []
-        self._schedules = {}
+        self._runtime = None
         self._step_grads = []
         sequential = None if module is None else module._modules.get(self.module_name)
         if not self._built_on_meta or module is None or sequential is None:
@@ -630,13 +586,14 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
     def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
         return model  # the schedule does the stages' communication; gradients are averaged over `dp` explicitly
 
+    @property
+    def _stages(self) -> dict[int, StageModule]:
+        """This rank's stages by stage index (none before setup and after teardown)."""
+        return {} if self._runtime is None else self._runtime.stages
+
     def _own_parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's stages (each once)."""
-        seen: dict[int, nn.Parameter] = {}
-        for stage in self._stages.values():
-            for param in stage.layers.parameters():
-                seen.setdefault(id(param), param)
-        return list(seen.values())
+        return [] if self._runtime is None else self._runtime.own_parameters()
 
     def _shared_parameters(self) -> list[nn.Parameter]:
         """The trainable parameters outside the ``nn.Sequential`` (a loss's or a head's): every rank holds a copy.
@@ -650,7 +607,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs["batch"]
         x, y = self._input_and_target(batch)
-        batch_size = _first(x).shape[0]
+        batch_size = first_tensor(x).shape[0]
         if batch_size % self.chunks:
             raise ValueError(
                 f"strategy='pipeline' splits each batch into `chunks`={self.chunks} equal micro-batches, but a batch"
@@ -697,7 +654,10 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         )
 
     def _train_on(self, x: Activation, y: Tensor, batch_size: int, zeroed: bool = False) -> Tensor:
-        schedule = self._schedule_for(x)
+        assert self._runtime is not None
+        schedule = self._runtime.schedule_for(
+            x, self.schedule, self.chunks, self._loss, self.precision_plugin.train_step_context, self._timer
+        )
         own, shared = self._own_parameters(), self._shared_parameters()
         trained = [*own, *shared]
         # What the schedule computes goes to `backward`; the gradients there now are put back after it, unless
@@ -713,7 +673,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         step_kwargs: dict[str, Any] = {"target": y} if len(self._owners) - 1 in self._stages else {}
         if self._timer is not None:
             self._timer.start_step()
-        deferred = self._deferred
+        deferred = self._runtime.deferred
         for layer in deferred:
             layer.reset_accumulator()
         self._loss_parameter_grads = [None] * len(shared)
@@ -730,7 +690,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         # the sums are exact (a float32 or float16 gradient round-trips through float64 unchanged), and every rank
         # derives the same bubbles, the same shared gradients and the same decision to skip the step.
         p = self.pipeline_size
-        shared_grads = _SharedGradients(shared, offset=2 * p + 2)
+        shared_grads = SharedGradients(shared, offset=2 * p + 2)
         report = torch.zeros(shared_grads.end, dtype=torch.float64, device=self.root_device)
         if self._timer is not None:
             report[self.pipeline_rank] = self._timer.busy_seconds()
@@ -739,7 +699,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             report[p] += micro_batch_loss.to(report)
         scaled = getattr(self.precision_plugin, "scaler", None) is not None
         if scaled:
-            report[2 * p + 1] = _non_finite([param.grad for param in own])
+            report[2 * p + 1] = non_finite([param.grad for param in own])
         shared_grads.pack(report)
         assert self._pp_group is not None
         dist.all_reduce(report, group=self._pp_group)
@@ -754,7 +714,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         head = report[: shared_grads.values].tolist() if self._timer is not None or shared or scaled else []
         shared_grads.unpack(report, head)
         if scaled and head[2 * p + 1] > 0:
-            _mark_non_finite(own)
+            mark_non_finite(own)
         self._step_grads = [(param, param.grad) for param in trained if param.grad is not None]
         for param, grad in zip(trained, previous, strict=True):
             param.grad = grad
@@ -780,7 +740,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         totals = [layer.tracked() for layer in layers]
         if self.data_parallel_size > 1:
             packed = torch.cat(
-                [_pack_moments(layer, total, self.root_device) for layer, total in zip(layers, totals, strict=True)]
+                [pack_moments(layer, total, self.root_device) for layer, total in zip(layers, totals, strict=True)]
             )
             gathered = [torch.empty_like(packed) for _ in range(self.data_parallel_size)]
             dist.all_gather(gathered, packed, group=self._dp_group)
@@ -852,63 +812,6 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                     self._loss_parameter_grads[index] = grad if held is None else held + grad
         return scaled
 
-    def _schedule_for(self, x: Activation) -> Any:
-        """The schedule for batches shaped as ``x`` (built on the first such batch: its stages' shapes are static)."""
-        size = _first(x).shape[0] // self.chunks
-        micro: Activation = tuple(t[:size] for t in x) if isinstance(x, tuple) else x[:size]
-        key = tuple((tuple(t.shape), t.dtype) for t in (micro if isinstance(micro, tuple) else (micro,)))
-        if key in self._schedules:
-            return self._schedules[key]
-        from torch.distributed.pipelining import PipelineStage
-
-        examples = StageExamples({}, {})
-        training = {m: m.training for stage in self._stages.values() for m in stage.modules()}
-        try:
-            for stage in self._stages.values():
-                stage.eval()  # shapes only: no running statistics updated, no random numbers drawn
-            # Under the training step's precision context: with autocast the activations travel in its dtype.
-            with torch.no_grad(), self.precision_plugin.train_step_context():
-                self._pipelined_forward(micro, examples)
-        finally:
-            for m, mode in training.items():
-                m.training = mode
-        num_stages = len(self._owners)
-        # What travels in training: activations that take part in autograd (the stage's input from the previous stage
-        # and its output), so the schedule sends and receives their gradients; the data (stage 0's input) does not.
-        for index in self._stages:
-            _example_requires_grad(examples.inputs[index], index > 0)
-            _example_requires_grad(examples.outputs[index], True)
-        stages = [
-            PipelineStage(
-                stage,
-                index,
-                num_stages,
-                self.root_device,
-                input_args=examples.inputs[index],
-                output_args=examples.outputs[index],
-                group=self._pp_group,
-            )
-            for index, stage in sorted(self._stages.items())
-        ]
-        if self._timer is not None:
-            for pipeline_stage in stages:
-                self._timer.wrap(pipeline_stage)
-        schedule_class = self.schedule.schedule_class()
-        options: dict[str, Any] = {"n_microbatches": self.chunks, "loss_fn": self._loss}
-        if "scale_grads" in inspect.signature(schedule_class).parameters:
-            options["scale_grads"] = False  # the loss is weighted by 1 / chunks instead, on every torch
-        schedule = schedule_class(stages[0] if self.schedule.placement == "single" else stages, **options)
-        self._schedules[key] = schedule
-        return schedule
-
-    def _pipelined_forward(self, x: Activation, examples: StageExamples | None = None, chunks: int = 1) -> Activation:
-        assert self._pp_group is not None
-        output = pipelined_forward(
-            x, self._stages, self._owners, self.pipeline_rank, self._pp_group, self.root_device, examples, chunks=chunks
-        )
-        assert output is not None  # every rank gets the output
-        return output
-
     def _forward(self, x: Activation) -> Activation:
         """The ``nn.Sequential``'s forward while the strategy runs: the last stage's output on every rank.
 
@@ -918,7 +821,8 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         """
         chunks = self.chunks if self.schedule.placement == "single" or self.root_device.type == "cpu" else 1
         with self.naming_a_lost_peer("a forward pass"):
-            return self._pipelined_forward(x, chunks=chunks)
+            assert self._runtime is not None
+            return self._runtime.forward(x, chunks=chunks)
 
     # ---- gradient clipping -----------------------------------------------------------------------------------------
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
@@ -980,7 +884,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         assert module is not None
         if not self._stages:  # what is not on the meta device: everything, unless the model was built there
             return {name for name, tensor in module.state_dict().items() if not tensor.is_meta}
-        layers = {layer for stage in self._stages for layer in self._layer_range(stage)}
+        layers = {layer for stage in self._stages for layer in stage_layers(self._balance, stage)}
         prefix = f"{self.module_name}."
         return {
             name
@@ -1085,70 +989,6 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                         optimizer.state[param][key] = value.to(param.device)
 
 
-class _SharedGradients:
-    """The gradients of the parameters outside the stages, in a float64 buffer from ``offset`` on.
-
-    One "has a gradient" flag per parameter, then their values. Packing writes into zeros, so the ranks whose slots
-    stay zero leave the sum exact.
-    """
-
-    def __init__(self, params: list[nn.Parameter], offset: int) -> None:
-        self.params = params
-        self.flags = offset
-        self.values = offset + len(params)
-        self.end = self.values + sum(param.numel() for param in params)
-
-    def pack(self, buffer: Tensor) -> None:
-        start = self.values
-        for index, param in enumerate(self.params):
-            if param.grad is not None:
-                buffer[self.flags + index] = 1
-                buffer[start : start + param.numel()] = param.grad.detach().reshape(-1).to(buffer)
-            start += param.numel()
-
-    def unpack(self, buffer: Tensor, head: list[float]) -> None:
-        """Set each parameter's gradient from the reduced ``buffer`` (``None`` where no rank had one).
-
-        ``head`` is ``buffer[:values]`` read to the host: a flag is non-zero where any rank had a gradient (after the
-        data-parallel average it is a fraction).
-        """
-        flags = head[self.flags : self.values]
-        start = self.values
-        for param, flag in zip(self.params, flags, strict=True):
-            size = param.numel()
-            if flag > 0:
-                param.grad = buffer[start : start + size].view(param.shape).to(param.dtype).to(param.device)
-            start += size
-
-
-def _non_finite(grads: Sequence[Tensor | None]) -> float:
-    """1.0 where any of ``grads`` holds an inf or NaN, else 0.0 (one device read)."""
-    found = [torch.logical_not(torch.isfinite(grad)).any() for grad in grads if grad is not None]
-    return float(torch.stack(found).any().item()) if found else 0.0
-
-
-def _mark_non_finite(params: Sequence[nn.Parameter]) -> None:
-    """Put a NaN into the first of ``params``' gradients, where another stage's rank found an inf or NaN in its own.
-
-    The ``GradScaler``'s ``unscale_`` on this rank then finds it as well, so every rank of the pipeline skips the
-    step and lowers the scale alike, through the scaler's public behaviour only. (Each rank unscales its own stages'
-    gradients: without it the ranks would disagree on the skip and on the next scale.) A data-parallel replica
-    needs nothing: the gradients' average carries the inf or NaN to it.
-    """
-    for param in params:
-        if param.grad is not None:
-            param.grad[(0,) * param.grad.dim()] = float("nan")
-            return
-
-
-def _pack_moments(layer: DeferredBatchNorm, total: Moments | None, device: torch.device) -> Tensor:
-    """``[count, mean (C), M2 (C)]`` in float64 (zeros for a layer that tracked nothing)."""
-    channels = layer.num_features
-    if total is None:
-        return torch.zeros(1 + 2 * channels, dtype=torch.float64, device=device)
-    return torch.cat([total.count.reshape(1), total.mean, total.m2]).to(device=device, dtype=torch.float64)
-
-
 def _is_tensor_tuple(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and len(value) > 0 and all(isinstance(t, Tensor) for t in value)
 
@@ -1159,17 +999,8 @@ def _described(value: Any) -> str:
     return type(value).__name__
 
 
-def _first(x: Activation) -> Tensor:
-    return x[0] if isinstance(x, tuple) else x
-
-
 def _to(x: Activation, device: torch.device) -> Activation:
     return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
-
-
-def _example_requires_grad(example: Activation, requires_grad: bool) -> None:
-    for tensor in example if isinstance(example, tuple) else (example,):
-        tensor.requires_grad_(requires_grad and (tensor.is_floating_point() or tensor.is_complex()))
 
 
 def _to_host(value: Any) -> Any:

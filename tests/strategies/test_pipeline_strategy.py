@@ -25,13 +25,13 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import tests.distributed
 from lightning_balanced import DistributedEvalMixin, GPipeStrategy, LRScaledPipelineStrategy, PipelineStrategy
+from lightning_balanced.pipelining.runtime import StageModule as _Stage
 from lightning_balanced.pipelining.sharded_checkpoint import (
     METADATA_FILENAME,
     consolidate_checkpoint,
     is_sharded_checkpoint,
 )
 from lightning_balanced.pipelining.stage_plan import SCHEDULES, stage_indices, stage_owners
-from lightning_balanced.strategies.pipeline import _Stage
 from tests.distributed import DistributedRankError, lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_balanced import PipelineStrategy
-from lightning_balanced.pipelining.stage_plan import SCHEDULES
+from lightning_balanced.pipelining.stage_plan import SCHEDULES, SEVERAL_TENSORS_FROM
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 
@@ -122,6 +124,10 @@ def _reference() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, val
 
 
+@pytest.mark.skipif(
+    TorchVersion(torch.__version__) < SEVERAL_TENSORS_FROM,
+    reason=f"several tensors between stages train from torch {SEVERAL_TENSORS_FROM} (older ones hang: refused)",
+)
 def test_two_tensors_cross_the_stage_boundary_and_a_dict_batch_splits_through_the_hook() -> None:
     schedules = ["GPipe"] + (["1F1B"] if SCHEDULES["1F1B"].available() else [])
     ranks = run_distributed(_fit_rank, 2, schedules, timeout_s=300)
@@ -142,3 +148,24 @@ def test_a_batch_the_strategy_cannot_split_names_the_hook() -> None:
         " `pipeline_batch(self, batch) -> (input, target)` on the LightningModule",
     ):
         strategy._input_and_target({"x": torch.zeros(1)})
+
+
+def _refused_rank(rank: int, world_size: int) -> str:
+    trainer = quiet_trainer(PipelineStrategy(schedule="GPipe", chunks=2, balance=[2, 2]), world_size, max_steps=1)
+    try:
+        trainer.fit(_TwoTensors(), DataLoader(_Samples(), batch_size=4))
+    except ValueError as error:
+        return str(error)
+    return "trained"
+
+
+@pytest.mark.skipif(
+    TorchVersion(torch.__version__) >= SEVERAL_TENSORS_FROM, reason="torch trains several tensors between stages"
+)
+def test_an_older_torch_refuses_several_tensors_between_stages_on_both_ranks_of_the_boundary() -> None:
+    expected = (
+        f"strategy='pipeline' trains stages that pass several tensors (a tuple) to the next from torch"
+        f" {SEVERAL_TENSORS_FROM} (torch {torch.__version__} hangs in the schedule's exchange); stage 0 passes a tuple:"
+        " upgrade torch, or pass one tensor (evaluation takes tuples on any torch)"
+    )
+    assert run_distributed(_refused_rank, 2, timeout_s=120) == [expected, expected]
