@@ -56,6 +56,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_ddp_overhead import timed_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -172,17 +173,7 @@ def _stages_per_rank(name: str) -> int:
 
 
 def _trainer(world_size: int, strategy: PipelineStrategy, callback: pl.Callback, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-        **kwargs,
-    )
+    return timed_trainer(callback, accelerator="cpu", devices=world_size, strategy=strategy, **kwargs)
 
 
 def _train(world_size: int, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
