@@ -64,9 +64,11 @@ def _materialized() -> _OnMeta:
     model = _OnMeta()
     model.configure_model()
     assert model.sequential_module is not None
-    materialize_layers(model.sequential_module, range(len(model.sequential_module)), "cpu", seed=0)
+    # the ranks' seed: seed_everything's (PL_GLOBAL_SEED, which they inherit from this process), else 0
+    seed = lightning_sampler_seed()
+    materialize_layers(model.sequential_module, range(len(model.sequential_module)), "cpu", seed=seed)
     sequential = model._modules.pop("sequential_module")
-    materialize(model, "cpu", -1, "the rest")
+    materialize(model, "cpu", seed - 1, "the rest")
     model._modules["sequential_module"] = sequential
     return model
 
