@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -55,6 +56,7 @@ def _exchange_rank(rank: int, world_size: int) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.slow
 def test_gradients_equal_ddps_and_the_values_arrive_summed_after_a_synchronizing_backward() -> None:
     for result in run_distributed(_exchange_rank, 2):
         for dtype, seen in result.items():

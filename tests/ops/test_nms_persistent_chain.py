@@ -39,7 +39,7 @@ def _cpu_kernel(boxes, scores, idxs, iou_threshold, offset=0) -> torch.Tensor:
     return batched_nms(boxes, scores, idxs, iou_threshold, offset)
 
 
-@pytest.mark.parametrize("n", [4097, 20_000])
+@pytest.mark.parametrize("n", [4097, pytest.param(20_000, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_persistent_chain_matches_the_cpu_kernel(n: int, dtype: torch.dtype) -> None:
     """nms, and batched_nms with 4 classes (class rows of ~n / 4 boxes: the chain runs over them side by side at
@@ -92,6 +92,7 @@ def test_persistent_chain_with_small_tiles_matches_the_reference(layout: str, io
         assert torch.equal(fallback, keep) and CHAIN_KERNEL not in steps[:, 0].tolist()
 
 
+@pytest.mark.slow
 def test_launches_do_not_grow_with_n_above_the_single_launch_path() -> None:
     """Issue 40: at most 4 launches (plus torch's sorts, host-side ops counted apart) at any size; 6 at 1M is the
     bound. Measured at 20k and 100k boxes (nms, and batched_nms with 80 classes), 1M in the slow test below.

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -98,6 +99,7 @@ def _reference() -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_each_rank_materializes_its_own_stages_trains_them_exactly_and_saves_them_sharded(tmp_path: Path) -> None:
     ranks = run_distributed(_fit_rank, 2, str(tmp_path), timeout_s=300)
     expected = _reference()

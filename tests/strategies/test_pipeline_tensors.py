@@ -128,6 +128,7 @@ def _reference() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     TorchVersion(torch.__version__) < SEVERAL_TENSORS_FROM,
     reason=f"several tensors between stages train from torch {SEVERAL_TENSORS_FROM} (older ones hang: refused)",
 )
+@pytest.mark.slow
 def test_two_tensors_cross_the_stage_boundary_and_a_dict_batch_splits_through_the_hook() -> None:
     schedules = ["GPipe"] + (["1F1B"] if SCHEDULES["1F1B"].available() else [])
     ranks = run_distributed(_fit_rank, 2, schedules, timeout_s=300)
@@ -162,6 +163,7 @@ def _refused_rank(rank: int, world_size: int) -> str:
 @pytest.mark.skipif(
     TorchVersion(torch.__version__) >= SEVERAL_TENSORS_FROM, reason="torch trains several tensors between stages"
 )
+@pytest.mark.slow
 def test_an_older_torch_refuses_several_tensors_between_stages_on_both_ranks_of_the_boundary() -> None:
     expected = (
         f"strategy='pipeline' trains stages that pass several tensors (a tuple) to the next from torch"
