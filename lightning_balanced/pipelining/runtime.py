@@ -23,13 +23,10 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.recompute import recomputing
 from lightning_balanced.pipelining.bubble import BusyTimer
-from lightning_balanced.pipelining.p2p_forward import StageExamples, pipelined_forward
+from lightning_balanced.pipelining.p2p_forward import Activation, StageExamples, pipelined_forward
 from lightning_balanced.pipelining.stage_plan import ScheduleSpec, check_several_tensors, cut_sequential
 
 __all__ = ["Activation", "PipelineRuntime", "StageModule", "build_runtime", "first_tensor"]
-
-#: What travels into and between stages: one tensor, or a tuple of tensors (the next stage gets the tuple).
-Activation = Tensor | tuple[Tensor, ...]
 
 
 class StageModule(nn.Module):

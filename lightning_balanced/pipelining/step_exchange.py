@@ -53,10 +53,10 @@ class SharedGradients:
             start += size
 
 
-def non_finite(grads: Sequence[Tensor | None]) -> float:
-    """1.0 where any of ``grads`` holds an inf or NaN, else 0.0 (one device read)."""
+def non_finite(grads: Sequence[Tensor | None]) -> Tensor | float:
+    """1 where any of ``grads`` holds an inf or NaN, else 0: a 0-dim tensor on their device, no host sync."""
     found = [torch.logical_not(torch.isfinite(grad)).any() for grad in grads if grad is not None]
-    return float(torch.stack(found).any().item()) if found else 0.0
+    return torch.stack(found).any() if found else 0.0
 
 
 def mark_non_finite(params: Sequence[nn.Parameter]) -> None:
