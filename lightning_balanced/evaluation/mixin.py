@@ -31,6 +31,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 import lightning_balanced.evaluation.fields as per_sample
 import lightning_balanced.evaluation.sample_order as sample_order
 from lightning_balanced.evaluation.indexed_dataset import IndexedDataset
+from lightning_balanced.evaluation.missing_indices import EVALUATION_STEPS, naming_missing_indices
 from lightning_balanced.evaluation.store_gather import store_all_gather_object
 
 __all__ = ["DistributedEvalMixin", "IndexedDataset"]
@@ -193,6 +194,13 @@ class DistributedEvalMixin:
     _eval_buffer: list[_Call]
     _eval_last_step: list[int]
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in EVALUATION_STEPS:  # an error on a first batch without indices names IndexedDataset
+            step = getattr(cls, name, None)
+            if callable(step) and not step.__qualname__.startswith("LightningModule."):
+                setattr(cls, name, naming_missing_indices(step, name))
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Created eagerly: balanced_dp's replicas copy the module's __dict__, so they append to this same list.
@@ -292,14 +300,4 @@ class DistributedEvalMixin:
 
     def _eval_dataset_size(self) -> int | None:
         trainer = getattr(self, "_trainer", None)
-        if trainer is None:
-            return None
-        if trainer.validating or trainer.sanity_checking:
-            loaders = trainer.val_dataloaders
-        elif trainer.training:
-            loaders = trainer.train_dataloader
-        else:
-            loaders = trainer.test_dataloaders if trainer.testing else trainer.predict_dataloaders
-        return sample_order.sampler_dataset_size(
-            loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
-        )
+        return None if trainer is None else sample_order.sampler_dataset_size(sample_order.current_loader(trainer))

@@ -20,7 +20,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
-__all__ = ["KeptRows", "interleave_size", "sample_indices", "sampler_dataset_size", "sampler_positions", "sampler_tail"]
+__all__ = [
+    "KeptRows",
+    "current_loader",
+    "interleave_size",
+    "sample_indices",
+    "sampler_dataset_size",
+    "sampler_positions",
+    "sampler_tail",
+]
 
 
 def sample_indices(indices: Any, count: int, device: torch.device) -> Tensor:
@@ -83,6 +91,17 @@ def interleave_size(counts: list[int], tails: list[int | None]) -> int | None:
         return None
     top, n = (counts[0] - 1) * len(counts), max(t for t in tails if t is not None) + 1  # n - 1 is in the last row
     return n if top < n and all(t == (top + r) % n for r, t in enumerate(tails)) else None
+
+
+def current_loader(trainer: Any) -> Any:
+    """The dataloader of the trainer's current stage (the first one where there are several); None if none."""
+    if trainer.validating or trainer.sanity_checking:
+        loaders = trainer.val_dataloaders
+    elif trainer.training:
+        loaders = trainer.train_dataloader
+    else:
+        loaders = trainer.test_dataloaders if trainer.testing else trainer.predict_dataloaders
+    return loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
 
 
 def sampler_dataset_size(loader: Any) -> int | None:

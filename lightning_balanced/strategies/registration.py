@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from lightning_balanced.strategies.trainer_arguments import name_strategy_arguments
+
 __all__ = [
     "DISTRIBUTION",
     "ENTRY_POINT_GROUP",
@@ -187,18 +189,25 @@ def pytorch_lightning_variant(strategy: type) -> type | None:
 def register_strategies() -> list[str]:
     """Register every strategy of the package in ``lightning.pytorch``'s and ``pytorch_lightning``'s registries.
 
-    ``pytorch_lightning``'s gets the variants (:func:`pytorch_lightning_variant`), when it is installed. Idempotent.
+    ``pytorch_lightning``'s gets the variants (:func:`pytorch_lightning_variant`), when it is installed. Both packages'
+    ``Trainer`` then name the strategy class when given one of its arguments (:func:`name_strategy_arguments`).
+    Idempotent.
 
     Returns:
         list[str]: the names of this package's strategies now in ``lightning.pytorch``'s registry.
     """
+    from lightning.pytorch import Trainer
+
     ours = strategy_classes()
     for strategy in ours:
         register_strategy(strategy, StrategyRegistry)
+    name_strategy_arguments(Trainer, ours, StrategyRegistry)
     if importlib.util.find_spec("pytorch_lightning") is not None:
+        from pytorch_lightning import Trainer as StandaloneTrainer
         from pytorch_lightning.strategies import StrategyRegistry as StandaloneRegistry
 
-        for variant in map(pytorch_lightning_variant, ours):
-            if variant is not None:
-                register_strategy(variant, StandaloneRegistry)
+        variants = [variant for variant in map(pytorch_lightning_variant, ours) if variant is not None]
+        for variant in variants:
+            register_strategy(variant, StandaloneRegistry)
+        name_strategy_arguments(StandaloneTrainer, variants, StandaloneRegistry)
     return [name for name, entry in StrategyRegistry.items() if entry["strategy"] in ours]

@@ -1,0 +1,67 @@
+"""A strategy's argument given to the Trainer names the strategy class (``strategies/trainer_arguments.py``)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import lightning.pytorch as pl
+import pytest
+
+import lightning_balanced  # registers the strategies, and wraps Trainer.__init__
+
+
+def test_a_registered_name_with_an_argument_of_its_strategy_names_the_class() -> None:
+    with pytest.raises(TypeError) as raised:
+        pl.Trainer(strategy="balanced_dp", chunk_sizes=[6, 10])
+    assert str(raised.value) == (
+        "Trainer(strategy='balanced_dp') got `chunk_sizes`, an argument of the strategy, not of the Trainer: pass it to"
+        " the strategy's class, Trainer(strategy=BalancedDataParallelStrategy(chunk_sizes=...)), with"
+        " `from lightning_balanced import BalancedDataParallelStrategy`"
+    )
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
+def test_the_registered_arguments_of_the_name_are_kept_in_the_suggestion() -> None:
+    message = (
+        "Trainer(strategy='ddp_lr_sqrt') got `reference_batch_size`, an argument of the strategy, not of the Trainer:"
+        " pass it to the strategy's class, Trainer(strategy=LRScaledDDPStrategy(lr_scaling='sqrt',"
+        " start_method='popen', reference_batch_size=...)), with `from lightning_balanced import LRScaledDDPStrategy`"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        pl.Trainer(strategy="ddp_lr_sqrt", reference_batch_size=256)
+
+
+def test_another_strategy_with_an_argument_of_ours_lists_the_classes_that_take_it() -> None:
+    message = (
+        "Trainer got `gpu0_bsz`, which is not an argument of the Trainer but of the strategy BalancedDDPStrategy"
+        " or BalancedDataParallelStrategy: pass it to the strategy's class,"
+        " Trainer(strategy=BalancedDDPStrategy(gpu0_bsz=...)), with"
+        " `from lightning_balanced import BalancedDDPStrategy`"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        pl.Trainer(strategy="ddp", gpu0_bsz=4)
+
+
+def test_other_unexpected_arguments_keep_pythons_message() -> None:
+    with pytest.raises(TypeError, match=r"^Trainer.__init__\(\) got an unexpected keyword argument 'chunk_size'$"):
+        pl.Trainer(strategy="balanced_dp", chunk_size=4)
+
+
+def test_the_trainer_keeps_its_signature_and_works() -> None:
+    lightning_balanced.register_strategies()  # a second call wraps nothing more
+    assert "strategy" in inspect.signature(pl.Trainer).parameters
+    assert inspect.unwrap(pl.Trainer.__init__).__qualname__ == "Trainer.__init__"
+    trainer = pl.Trainer(strategy="balanced_dp", accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy).__name__ == "BalancedDataParallelStrategy"
+
+
+def test_the_standalone_package_names_its_own_variant() -> None:
+    standalone = pytest.importorskip("pytorch_lightning")
+    message = (
+        "Trainer(strategy='balanced_dp') got `gpu0_bsz`, an argument of the strategy, not of the Trainer: pass it to"
+        " the strategy's class, Trainer(strategy=BalancedDataParallelStrategy(gpu0_bsz=...)), with"
+        " `from lightning_balanced.strategies.pytorch_lightning_compat import BalancedDataParallelStrategy`"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        standalone.Trainer(strategy="balanced_dp", gpu0_bsz=4)
