@@ -194,7 +194,7 @@ if [ -n "$DROP_SHARED_LIBSTDCXX" ]; then
     case "$arg" in -lstdc++|-l:libstdc++.so*|*/libstdc++.so*|-Wl,-Bdynamic) ;; *) set -- "$@" "$arg" ;; esac
   done
 fi
-exec c++ -L"$ARCHIVE_ONLY_LIBSTDCXX" "$@" -static-libstdc++
+exec c++ -L"$ARCHIVE_ONLY_LIBSTDCXX" "$@" -static-libstdc++ -O0
 """
 _NMS_OF_1D_BOXES = """
 import importlib.util, sys, torch

@@ -288,7 +288,11 @@ def test_cuda_kernel_rejects_non_finite_values_and_runs_under_autocast() -> None
 @RunIf(nvcc=True)
 @pytest.mark.slow
 def test_cuda_kernel_source_compiles_with_nvcc(tmp_path: Path) -> None:
-    """Catches CUDA code that would not build, on machines without a GPU or a CUDA build of torch."""
+    """Catches CUDA code that would not build, on machines without a GPU or a CUDA build of torch.
+
+    To PTX (nvcc's front end and code generation: every C++ and CUDA error), not through ptxas: 11 s instead of 31 s
+    on 2 cores. ptxas and every architecture run in CI's CUDA-build leg, which builds the extension with the kernels.
+    """
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
     # CPU wheels ship the c10/cuda headers but not this generated one.
@@ -299,10 +303,10 @@ def test_cuda_kernel_source_compiles_with_nvcc(tmp_path: Path) -> None:
     assert nvcc is not None
     cmd = [
         nvcc,
-        "-c",
+        "-ptx",
         str(ROOT / "csrc" / "ops" / "cuda" / "nms_kernel.cu"),
         "-o",
-        str(tmp_path / "nms_kernel.o"),
+        str(tmp_path / "nms_kernel.ptx"),
         "-std=c++20",
         "-O1",
         "--fmad=false",
@@ -313,7 +317,7 @@ def test_cuda_kernel_source_compiles_with_nvcc(tmp_path: Path) -> None:
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (tmp_path / "nms_kernel.o").stat().st_size > 0
+    assert ".entry" in (tmp_path / "nms_kernel.ptx").read_text()  # kernels were generated
 
 
 # --------------------------------------------------------------------------------------------------------------
