@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -542,20 +543,69 @@ def goal_row(
 
 
 def goal_table(bench: Bench) -> int:
-    """Runs every goal row and the padded row; returns how many pass."""
+    """Runs every goal row and the padded row, then the chain's A/B; returns how many rows pass."""
     passed = sum(goal_row(bench, *goal) for goal in GOALS)
     print("  (padded row)", flush=True)
     passed += bench_padded(bench, batch=64, n=5000, max_output=300, goal_ms=2.0)
     print(f"goal_table: {passed}/{len(GOALS) + 1} rows pass", flush=True)
+    chain_ab(bench)
     return passed
+
+
+#: The opt-in switch of the CUDA ops' persistent chain (csrc/ops/cuda/nms_kernel.cu), read at each call.
+CHAIN_SWITCH = "LIGHTNING_BALANCED_NMS_CHAIN"
+
+
+def chain_ab(bench: Bench) -> float | None:
+    """``nms`` above the single-launch path with the per-tile launches (the default) and with the persistent chain
+    (opted in), in the same run, calls alternating: one ``chain_ab`` line per case and ``chain_over_per_tile``, the
+    geometric mean of chain / per-tile (below 1: the chain is faster). Both must keep the CPU kernel's indices."""
+    if not bench.clock.cuda:
+        print("chain_ab: skipped (no GPU)", flush=True)
+        return None
+    previous = os.environ.get(CHAIN_SWITCH)
+
+    def opted(value: str, boxes: torch.Tensor, scores: torch.Tensor) -> Fn:
+        def call() -> torch.Tensor:
+            os.environ[CHAIN_SWITCH] = value
+            return nms(boxes, scores, bench.args.iou)
+
+        return call
+
+    ratios = []
+    try:
+        for n, kind in ((20_000, "uniform"), (100_000, "clustered"), (1_000_000, "mixed4000")):
+            boxes_cpu, scores_cpu, _ = workload(kind, n, seed=n + 7)
+            boxes, scores = boxes_cpu.to(bench.clock.device), scores_cpu.to(bench.clock.device)
+            fns = {"per_tile": opted("0", boxes, scores), "chain": opted("1", boxes, scores)}
+            expected = nms(boxes_cpu, scores_cpu, bench.args.iou)
+            exact = all(torch.equal(fn().cpu(), expected) for fn in fns.values())
+            times = measure(bench.clock, fns, bench.args.warmup, bench.args.repeats, bench.args.row_budget)
+            ratios.append(times["chain"] / times["per_tile"])
+            print(
+                f"chain_ab nms {n} {kind}: per-tile {_fmt_ms(times['per_tile'])} ms, chain {_fmt_ms(times['chain'])}"
+                f" ms, chain/per-tile {ratios[-1]:.3f}, exact={'yes' if exact else 'NO'}",
+                flush=True,
+            )
+            if not exact:
+                bench.failures.append(f"chain_ab nms {n} {kind}: not the CPU kernel's indices")
+    finally:
+        if previous is None:
+            os.environ.pop(CHAIN_SWITCH, None)
+        else:
+            os.environ[CHAIN_SWITCH] = previous
+    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    print(f"chain_over_per_tile={geomean:.3f} (below 1: the persistent chain is faster)", flush=True)
+    return geomean
 
 
 def cost_model() -> None:
     """The CPU emulation's cost model of what the CUDA ``nms`` / ``batched_nms`` run (``_nms_tiled``), IoU 0.5: per
     call, the kernels launched (torch's own sorts and gathers not included), the host-side torch ops (allocations,
     sorts, gathers, the read of the kept count), the critical path (serial steps of the launches, one after another;
-    the persistent chain's phases and grid barriers included) and the longest loop of one launch; last, the launches
-    and critical path of the per-tile fallback (no cooperative launch, or CUDA-graph capture)."""
+    the persistent chain's phases and grid barriers included) and the longest loop of one launch, for the persistent
+    chain (opt-in on a GPU: ``LIGHTNING_BALANCED_NMS_CHAIN=1``); last, the launches and critical path of the per-tile
+    launches (the GPU's default above the single-launch path)."""
     emulation = torch.ops.lightning_balanced._nms_tiled
     torch_op = 2  # the kind of a host-side torch op's row (csrc/ops/cpu/nms_tiled_schedule.cpp)
     print(

@@ -19,8 +19,8 @@ TORCH_LIBRARY_FRAGMENT(lightning_balanced, m) {
   // for the tests. Returns the raw keep [B, capacity], counters [B, 4] (kept, tile kept, bad score, bad box) and
   // the cost model, a row per launch the GPU would make and per host-side torch op: (kind, parallel width, serial
   // depth). Images of at most small_rows boxes take the single-launch path (nms_small.h); 0 forces the tiles. Above
-  // one tile, `persistent` runs the persistent chain (one launch, as on a GPU with cooperative launch), false the
-  // per-tile launches (the CUDA fallback: no cooperative launch, or graph capture).
+  // one tile, `persistent` runs the persistent chain (one launch, as the CUDA ops do when opted in with
+  // LIGHTNING_BALANCED_NMS_CHAIN=1), false the per-tile launches (the CUDA default).
   m.def(
       "_nms_tiled_schedule(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int offset, bool padded, "
       "int capacity, int tile_rows=1024, int propagate_warps=8192, int small_rows=4096, bool persistent=True) -> "

@@ -1,6 +1,8 @@
 """The persistent chain of the CUDA NMS above the single-launch path (issue 40), run on the CPU by its emulation.
 
-Above one tile (1024 boxes per image, or per class row of ``batched_nms``), the CUDA ops run one cooperative kernel
+On a GPU the chain is opt-in (``LIGHTNING_BALANCED_NMS_CHAIN=1``): an H200 ran it exactly but slower than the per-tile
+launches, which stay the default (csrc/ops/cuda/nms_kernel.cu). Opted in, above one tile (1024 boxes per image, or
+per class row of ``batched_nms``), the CUDA ops run one cooperative kernel
 whose CTAs stay resident for the whole chain: the block and super-block bounds, the tile masks, then for each tile
 its resolve (one CTA per image) and its propagation (all warps of the grid), separated by grid-wide barriers
 (``run_chain`` in csrc/ops/nms_tiled_driver.h). Without cooperative launch, or under CUDA-graph capture, they run
@@ -128,3 +130,16 @@ def test_six_launches_at_most_at_1m_boxes() -> None:
     _, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, None, 0.5, 0)
     assert _launches(steps) <= 6
     assert int((steps[:, 0] == CHAIN_KERNEL).sum()) == 1
+
+
+@RunIf(min_cuda_gpus=1)
+@pytest.mark.parametrize("chain", ["0", "1"], ids=["per_tile_launches", "persistent_chain"])
+def test_on_a_gpu_both_paths_keep_the_cpu_kernels_indices(chain: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """20,000 boxes (20 tiles) of nms and batched_nms on the GPU, by default (per-tile launches) and opted in to the
+    persistent chain (read at each call)."""
+    monkeypatch.setenv("LIGHTNING_BALANCED_NMS_CHAIN", chain)
+    boxes, scores = _random_boxes(20_000, 20_000, "clustered", torch.float32)
+    idxs = torch.arange(20_000) * 7 % 3
+    assert torch.equal(nms(boxes.cuda(), scores.cuda(), 0.5).cpu(), nms(boxes, scores, 0.5))
+    on_gpu = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
+    assert torch.equal(on_gpu, batched_nms(boxes, scores, idxs, 0.5))

@@ -9,17 +9,19 @@
 // Up to 4096 boxes per image (when the device's opt-in shared memory holds them), one launch instead: small_kernel,
 // one CTA of 1024 threads per image sorting, resolving and compacting in shared memory (ops/nms_small.h); nms and
 // batched_nms then issue one allocation, that launch and the read of the kept count, batched_nms_padded two
-// allocations and the launch. Not yet run on a GPU (issue 40): checked through the emulation and compiled only.
+// allocations and the launch. Run on an H200 (2026-11-28): exact; 1k boxes in 0.13-0.29 ms.
 //
-// Above one tile (1024 boxes per image or class row), the persistent chain (issue 40): after the prepare and place
+// Above one tile (1024 boxes per image or class row), the per-tile launches: a tile launch, then its propagation
+// launch, per 1024 boxes. Opt-in (LIGHTNING_BALANCED_NMS_CHAIN=1, chain_opted_in below: measured slower on an H200),
+// the persistent chain (issue 40): after the prepare and place
 // launches, ONE cooperative launch of chain_kernel runs the bounds, the masks and every tile's resolve and
 // propagation, its phases separated by grid barriers (run_chain of ops/nms_tiled_driver.h): 3 launches per call
-// at any N, against 2 per tile before. CudaLaunch::chain falls back to the per-tile launches (step_kernel,
+// at any N, against 2 per tile. CudaLaunch::chain falls back to the per-tile launches (step_kernel,
 // tile_kernel, warp_kernel, unchanged) when the device has no cooperative launch, when the current stream is being
 // captured into a CUDA graph (batched_nms_padded in a graph keeps its plain launches: whether a cooperative launch
 // may be captured, and replayed with its co-residency guarantee, is not something we could check without a GPU),
-// or when the cooperative launch reports the grid too large. NOT YET RUN ON A GPU: exact through the emulation,
-// compiled for sm_75 .. sm_120. The risks for its first run:
+// or when the cooperative launch reports the grid too large. Run on an H200 (2026-11-28): exact, no deadlock, slower.
+// The risks it was checked for:
 //   - co-residency: a grid barrier with a CTA not resident deadlocks. The grid is min(CTAs with work, occupancy
 //     calculator's CTAs per SM x SMs), launched only by cudaLaunchCooperativeKernel, which refuses a grid that
 //     cannot be co-resident instead of running it; ptxas gives chain_kernel 64 registers per thread (sm_90), so one
@@ -50,6 +52,7 @@
 #include <cooperative_groups.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -230,6 +233,17 @@ __global__ void __launch_bounds__(kRows) chain_kernel(ChainArgs<T> args) {
   run_chain(args, DeviceGrid<T, kRows>{args, shared});
 }
 
+// The persistent chain is opt-in: LIGHTNING_BALANCED_NMS_CHAIN=1 in the environment, read at each call (a getenv,
+// no stream operation). On an H200 (torch 2.11, 2026-11-28) it was exact but slower than the per-tile launches had
+// been on an H100 the day before (20k 1.4-2.3 ms against 1.2-1.8, 100k 5.2-7.6 against 3.9-5.5, 1M 97 against
+// 65 ms): its one resident grid of 1024-thread CTAs (64 registers each, one CTA per SM) runs the propagation on half
+// the warps the separate launches get. Until a GPU shows otherwise in one run (bench_nms_cuda.py's `chain_ab`
+// lines), the per-tile launches are the default.
+bool chain_opted_in() {
+  const char* value = std::getenv("LIGHTNING_BALANCED_NMS_CHAIN");
+  return value != nullptr && value[0] == '1' && value[1] == '\0';
+}
+
 struct CudaLaunch {
   static void library(int64_t) {}  // a torch op: only the emulation counts it
 
@@ -280,6 +294,7 @@ struct CudaLaunch {
   template <typename T>
   static bool chain(const ChainArgs<T>& args) {
     TORCH_INTERNAL_ASSERT(args.tile_rows == kTileRows);
+    if (!chain_opted_in()) return false;
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
