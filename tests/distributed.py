@@ -23,8 +23,8 @@ them. Inside a rank:
 * ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` are set, so
   Lightning's cluster environment reads the same topology;
 * ``torch.set_num_threads(1)``: N ranks share the CI machine's few cores;
-* the process group is destroyed after every rank has reported (``fn`` returned or raised), so rank 0, which hosts
-  the store, outlives the reads of a rank that is still stopping.
+* the process group is destroyed after ``fn`` returns or raises and the rank has reported; the process, and with it
+  the store rank 0 hosts, stays until every rank has reported, for the reads of a rank that is still stopping.
 
 Results travel back pickled (plain :mod:`pickle`, tensors by value, not through shared memory), so they must be
 picklable. Warnings in the ranks are not turned into errors (pytest's filter applies to the parent only).

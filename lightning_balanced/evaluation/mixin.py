@@ -198,7 +198,7 @@ class DistributedEvalMixin:
         super().__init_subclass__(**kwargs)
         for name in EVALUATION_STEPS:  # an error on a first batch without indices names IndexedDataset
             step = getattr(cls, name, None)
-            if callable(step) and not step.__qualname__.startswith("LightningModule."):
+            if callable(step) and not getattr(step, "__qualname__", "").startswith("LightningModule."):
                 setattr(cls, name, naming_missing_indices(step, name))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -24,7 +24,7 @@ _WRAPPED = "_lightning_balanced_names_strategy_arguments"
 def name_strategy_arguments(trainer: type, strategies: Iterable[type], registry: dict[str, Any]) -> None:
     """Make ``trainer(strategy=..., <argument of a strategy>=...)`` raise a ``TypeError`` naming the strategy class.
 
-    Idempotent: a ``trainer`` already wrapped is left as it is (its strategies are looked up at each error).
+    Idempotent: a ``trainer`` already wrapped is left as it is.
 
     Args:
         trainer (type): ``lightning.pytorch.Trainer`` or ``pytorch_lightning.Trainer``.
