@@ -5,7 +5,9 @@ Run as ``python lr_scaled_job.py OUT.json`` (Lightning's subprocess launcher sta
 """
 
 import json
+import os
 import sys
+import threading
 
 import lightning.pytorch as pl
 import torch
@@ -49,5 +51,11 @@ if __name__ == "__main__":
         with open(sys.argv[1], "w") as file:
             json.dump({"world_size": trainer.world_size, "lr": model.lr_used}, file)
     # torch 2.13's gloo process group, left for interpreter exit, sometimes aborts the process there ("terminate
-    # called without an active exception"), plain DDPStrategy included; end it while the interpreter is whole.
+    # called without an active exception"), plain DDPStrategy included; end it while the interpreter is whole. torch
+    # 2.4's gloo can hang in destroy_process_group when the ranks tear down together (once in CI's floor leg: the
+    # test then waited 240 s for this process and its child): the result is written, so exit if it has not returned.
+    watchdog = threading.Timer(20.0, os._exit, args=(0,))
+    watchdog.daemon = True
+    watchdog.start()
     torch.distributed.destroy_process_group()
+    watchdog.cancel()

@@ -363,7 +363,11 @@ def test_script_launchers_scale_the_lr(launcher: str, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "NODE_RANK"):
         env.pop(key, None)
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    try:
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    except subprocess.TimeoutExpired as err:  # say where it stopped
+        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else str(err.stderr or "")
+        raise AssertionError(f"{launcher} job did not end within 240 s:\n{stderr[-3000:]}") from err
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(output.read_text())
     assert result["world_size"] == 2
