@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -22,25 +23,29 @@ def test_a_registered_name_with_an_argument_of_its_strategy_names_the_class() ->
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
 
 
-def test_the_registered_arguments_of_the_name_are_kept_in_the_suggestion() -> None:
-    message = (
-        "Trainer(strategy='ddp_lr_sqrt') got `reference_batch_size`, an argument of the strategy, not of the Trainer:"
-        " pass it to the strategy's class, Trainer(strategy=LRScaledDDPStrategy(lr_scaling='sqrt',"
-        " start_method='popen', reference_batch_size=...)), with `from lightning_balanced import LRScaledDDPStrategy`"
-    )
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (  # the registered arguments of the name are kept in the suggestion
+            {"strategy": "ddp_lr_sqrt", "reference_batch_size": 256},
+            "Trainer(strategy='ddp_lr_sqrt') got `reference_batch_size`, an argument of the strategy, not of the"
+            " Trainer: pass it to the strategy's class, Trainer(strategy=LRScaledDDPStrategy(lr_scaling='sqrt',"
+            " start_method='popen', reference_batch_size=...)), with `from lightning_balanced import"
+            " LRScaledDDPStrategy`",
+        ),
+        (  # another strategy with an argument of ours: the classes that take it
+            {"strategy": "ddp", "gpu0_bsz": 4},
+            "Trainer got `gpu0_bsz`, which is not an argument of the Trainer but of the strategy BalancedDDPStrategy"
+            " or BalancedDataParallelStrategy: pass it to the strategy's class,"
+            " Trainer(strategy=BalancedDDPStrategy(gpu0_bsz=...)), with `from lightning_balanced import"
+            " BalancedDDPStrategy`",
+        ),
+    ],
+    ids=["registered_arguments_kept", "another_strategy"],
+)
+def test_the_message_names_the_class_that_takes_the_argument(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
-        pl.Trainer(strategy="ddp_lr_sqrt", reference_batch_size=256)
-
-
-def test_another_strategy_with_an_argument_of_ours_lists_the_classes_that_take_it() -> None:
-    message = (
-        "Trainer got `gpu0_bsz`, which is not an argument of the Trainer but of the strategy BalancedDDPStrategy"
-        " or BalancedDataParallelStrategy: pass it to the strategy's class,"
-        " Trainer(strategy=BalancedDDPStrategy(gpu0_bsz=...)), with"
-        " `from lightning_balanced import BalancedDDPStrategy`"
-    )
-    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
-        pl.Trainer(strategy="ddp", gpu0_bsz=4)
+        pl.Trainer(**arguments)
 
 
 def test_other_unexpected_arguments_keep_pythons_message() -> None:
