@@ -17,14 +17,14 @@ but what it is sent: the test's current environment variables replace the forkse
 before the call reaches the ranks), and ``sys.path``, the working directory and the test module come as spawn sends
 them. Inside a rank:
 
-* the default process group is initialized with ``backend="gloo"``, ``init_method="env://"`` on 127.0.0.1 and a free
-  port, and ``timeout=timedelta(seconds=timeout_s / 2)``, so a collective that never completes raises in the rank
-  (with gloo's "Timed out" message) before the overall timeout fires;
+* the default process group is initialized with ``backend="gloo"`` through a ``TCPStore`` on 127.0.0.1 and a free
+  port that the test process hosts (as torchrun's agent does: it outlives every rank), and
+  ``timeout=timedelta(seconds=timeout_s / 2)``, so a collective that never completes raises in the rank (with gloo's
+  "Timed out" message) before the overall timeout fires;
 * ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` are set, so
   Lightning's cluster environment reads the same topology;
 * ``torch.set_num_threads(1)``: N ranks share the CI machine's few cores;
-* the process group is destroyed after ``fn`` returns or raises and the rank has reported; the process, and with it
-  the store rank 0 hosts, stays until every rank has reported, for the reads of a rank that is still stopping.
+* the process group is destroyed after ``fn`` returns or raises and the rank has reported.
 
 Results travel back pickled (plain :mod:`pickle`, tensors by value, not through shared memory), so they must be
 picklable. Warnings in the ranks are not turned into errors (pytest's filter applies to the parent only).
@@ -32,7 +32,6 @@ picklable. Warnings in the ranks are not turned into errors (pytest's filter app
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import socket
@@ -85,7 +84,6 @@ def _worker(
     args: tuple[Any, ...],
     conn: Connection,
     environ: dict[str, str],
-    finished: Any,
 ) -> None:
     os.environ.clear()  # the test process's environment now, not the forkserver's from when it started
     os.environ.update(environ)
@@ -103,9 +101,9 @@ def _worker(
 
         install()
     try:
-        dist.init_process_group(
-            "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
-        )
+        timeout = timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)  # the test process hosts it
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             message = ("ok", fn(rank, world_size, *args))
         except BaseException:
@@ -120,15 +118,8 @@ def _worker(
     # down together; run_distributed then kills a rank left there after a few seconds instead of reporting a hang.
     conn.send_bytes(payload)
     conn.close()
-    # Then the process group goes (its peers see its connections close, as when a process exits), but the process and
-    # its store stay until every rank has reported: rank 0 hosts the store, which a rank that is still stopping may
-    # read (to name a lost peer). A forked rank would exit at once, where a spawned one took a second or two.
-    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()  # the groups' last references (a raised error's frames): their connections close now
-    finished.wait(pg_timeout_s)
-    del store
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120) -> list[Any]:
@@ -154,8 +145,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         raise ValueError(f"`world_size` must be >= 1, got {world_size}")
     ctx = _context()
     environ = dict(os.environ)
-    finished = ctx.Event()
     port = _free_port()
+    # The store lives here, as torchrun's agent hosts it: it outlives any rank, so a rank that stops late can still
+    # read the notices of one that stopped first (a forked rank exits at once, rank 0 included).
+    store = dist.TCPStore("127.0.0.1", port, world_size, True, timedelta(seconds=timeout_s), wait_for_workers=False)
     procs: list[Any] = []
     readers: dict[Connection, int] = {}
     results: dict[int, Any] = {}
@@ -167,7 +160,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, timeout_s / 2, fn, args, writer, environ, finished),
+                args=(rank, world_size, port, timeout_s / 2, fn, args, writer, environ),
                 name=f"run_distributed-rank{rank}",
             )
             proc.start()
@@ -204,12 +197,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                         first_error_at = time.monotonic()
                     errors[rank] = f"exited without a result (exit code {procs[rank].exitcode})"
     finally:
-        finished.set()
         for proc in procs:
             proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if not errors else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        del store  # once every rank has ended
 
     if errors:
         report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(errors.items()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -275,7 +276,8 @@ def test_a_plain_trainer_gets_no_callback_and_no_log_line_from_the_installed_pac
         timeout=300,
         check=True,
     )
-    assert "callbacks: ['ModelCheckpoint', 'ModelSummary']" in done.stdout
+    # Lightning's own defaults only (RichModelSummary where `rich` is installed, as on the GPU machines)
+    assert re.search(r"^callbacks: \['ModelCheckpoint', '(Rich)?ModelSummary'\]$", done.stdout, re.MULTILINE)
     assert f"package loaded: {imported}" in done.stdout  # Lightning itself loads nothing of the package
     assert "lightning_balanced" not in done.stdout + done.stderr
     assert "entry point" not in done.stdout + done.stderr

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 
 import lightning_balanced  # registers the strategies, and wraps Trainer.__init__
+from tests.helpers import quiet_trainer
 
 
 def test_a_registered_name_with_an_argument_of_its_strategy_names_the_class() -> None:
@@ -57,7 +58,7 @@ def test_the_trainer_keeps_its_signature_and_works() -> None:
     lightning_balanced.register_strategies()  # a second call wraps nothing more
     assert "strategy" in inspect.signature(pl.Trainer).parameters
     assert inspect.unwrap(pl.Trainer.__init__).__qualname__ == "Trainer.__init__"
-    trainer = pl.Trainer(strategy="balanced_dp", accelerator="cpu", devices=1, logger=False)
+    trainer = quiet_trainer("balanced_dp")  # pl.Trainer, without the "GPU available but not used" warning
     assert type(trainer.strategy).__name__ == "BalancedDataParallelStrategy"
 
 
