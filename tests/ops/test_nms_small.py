@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_balanced.ops import batched_nms, batched_nms_reference, nms, nms_reference
 from tests.helpers import RunIf, raises_exactly
-from tests.ops.test_nms import _random_boxes
+from tests.ops.test_nms import HYPOTHESIS, _random_boxes
 
 pytestmark = RunIf(compiled_ops=True)
 
@@ -63,6 +65,44 @@ def test_single_launch_path_on_every_layout(layout: str, iou_threshold: float) -
     for classes in (None, idxs):
         keep, _ = torch.ops.lightning_balanced._nms_tiled(boxes, scores, classes, iou_threshold, 0)
         assert torch.equal(keep, _expected(boxes, scores, classes, iou_threshold))
+
+
+@settings(HYPOTHESIS, max_examples=120)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(65, 600),
+    big=st.sampled_from([0.0, 0.02, 0.3]),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
+    scale=st.sampled_from([1.0, 0.001, 300.0]),  # float16 holds 160 x 300
+    iou_threshold=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+    offset=st.sampled_from([0, 1]),
+    by_class=st.booleans(),
+)
+@pytest.mark.slow
+def test_the_grid_of_step_4_never_misses_a_suppressor(
+    seed: int,
+    n: int,
+    big: float,
+    dtype: torch.dtype,
+    scale: float,
+    iou_threshold: float,
+    offset: int,
+    by_class: bool,
+) -> None:
+    """Step 4 tests a later row only against the kept rows in the cells it covers (nms_small.h). Boxes on a lattice
+    of half units, so edges touch; sides from -2 to 6 (inverted, empty and touching intervals, and gaps below 1,
+    which offset 1 turns into overlaps); a share of boxes wider than 1/8 of the extent (`big`,
+    kept out of the grid); few overlaps, so most rows are kept and the grid is used."""
+    gen = torch.Generator().manual_seed(seed)
+    xy = torch.randint(0, 160, (n, 2), generator=gen).double() / 2
+    wh = torch.randint(-4, 13, (n, 2), generator=gen).double() / 2
+    large = torch.rand(n, generator=gen) < big
+    wh[large] = torch.randint(12, 80, (int(large.sum()), 2), generator=gen).double()
+    boxes = (torch.cat([xy, xy + wh], dim=1) * scale).to(dtype)
+    scores = torch.randint(0, n, (n,), generator=gen).to(dtype)
+    idxs = torch.randint(-2, 3, (n,), generator=gen) * 10**12 if by_class else None
+    keep, _ = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, iou_threshold, offset)
+    assert torch.equal(keep, _expected(boxes, scores, idxs, iou_threshold, offset))
 
 
 def test_single_launch_path_on_duplicates_and_ties() -> None:
@@ -147,19 +187,34 @@ def test_one_launch_and_two_host_ops_at_1k_boxes(layout: str, by_class: bool) ->
     """Issue 40's bound at 1k: the output allocation, one launch, the read of the kept count. The tiled chain took
     4 launches and 7 host-side ops (8 for batched_nms, whose classes it first counts) for the same call.
 
-    The critical path (serial steps of the one CTA, barriers included; a step is about one IoU test) stays under
-    1,600: measured 325 (clustered, few kept) to 1,266 (uniform, 90-100 % kept), against the chain's 51-242 in 3
-    launches plus the host's ops between them. Most of it is step 4c, every kept row against every later open row:
-    about n^2 / 2 IoU tests on one SM when nearly all boxes are kept."""
+    The critical path (serial steps of the one CTA, barriers included; a step is about one IoU test or one cell
+    read) stays under 1,000: measured 340 (nms, clustered, few kept) to 774 (nms, mixed sizes, 99 % kept), against
+    the chain's 51-242 in 3 launches plus the host's ops between them. Without step 4's grid it was 341 to 1,282:
+    every kept row against every later open row, about n^2 / 2 IoU tests on one SM when nearly all boxes are
+    kept."""
     boxes, scores = _random_boxes(3, 1000, layout, torch.float32)
     idxs = torch.randint(0, 80, (1000,), generator=torch.Generator().manual_seed(0)) if by_class else None
     keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0)
     assert torch.equal(keep, _expected(boxes, scores, idxs, 0.5))
     assert _launches_and_host_ops(steps) == (1, 2)
-    assert int(steps[:, 2].sum()) < 1_600
+    assert int(steps[:, 2].sum()) < 1_000
     _, chain = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0, 1024, 8192, 0)
     launches, host_ops = _launches_and_host_ops(chain)
     assert launches >= 3 and host_ops >= 7
+
+
+@pytest.mark.parametrize("layout", ["uniform", "clustered", "mixed_sizes"])
+@pytest.mark.parametrize("by_class", [False, True], ids=["nms", "batched"])
+def test_the_grid_keeps_the_critical_path_near_linear_at_4000_boxes(layout: str, by_class: bool) -> None:
+    """Step 4's grid: a later row is tested against the kept rows near it, not all of them. Critical path at 4000
+    boxes, measured: 1,004 (nms, clustered) to 4,407 (nms, mixed sizes); without the grid 1,044 to 10,971 (about
+    n^2 / 2 / 1024 IoU tests per thread when most boxes are kept)."""
+    boxes, scores = _random_boxes(3, 4000, layout, torch.float32)
+    idxs = torch.randint(0, 80, (4000,), generator=torch.Generator().manual_seed(0)) if by_class else None
+    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0)
+    assert torch.equal(keep, _expected(boxes, scores, idxs, 0.5))
+    assert _launches_and_host_ops(steps) == (1, 2)
+    assert int(steps[:, 2].sum()) < 5_000
 
 
 def test_small_rows_is_checked() -> None:

@@ -9,7 +9,8 @@
 // Up to 4096 boxes per image (when the device's opt-in shared memory holds them), one launch instead: small_kernel,
 // one CTA of 1024 threads per image sorting, resolving and compacting in shared memory (ops/nms_small.h); nms and
 // batched_nms then issue one allocation, that launch and the read of the kept count, batched_nms_padded two
-// allocations and the launch. Run on an H200 (2026-11-28): exact; 1k boxes in 0.13-0.29 ms.
+// allocations and the launch. Run on an H200 (2026-11-28): exact; 1k boxes in 0.14-0.31 ms, before step 4's grid
+// of cells (nms_small.h), which has not run on a GPU yet.
 //
 // Above one tile (1024 boxes per image or class row), the per-tile launches: a tile launch, then its propagation
 // launch, per 1024 boxes. Opt-in (LIGHTNING_BALANCED_NMS_CHAIN=1, chain_opted_in below: measured slower on an H200),
@@ -234,11 +235,10 @@ __global__ void __launch_bounds__(kRows) chain_kernel(ChainArgs<T> args) {
 }
 
 // The persistent chain is opt-in: LIGHTNING_BALANCED_NMS_CHAIN=1 in the environment, read at each call (a getenv,
-// no stream operation). On an H200 (torch 2.11, 2026-11-28) it was exact but slower than the per-tile launches had
-// been on an H100 the day before (20k 1.4-2.3 ms against 1.2-1.8, 100k 5.2-7.6 against 3.9-5.5, 1M 97 against
-// 65 ms): its one resident grid of 1024-thread CTAs (64 registers each, one CTA per SM) runs the propagation on half
-// the warps the separate launches get. Until a GPU shows otherwise in one run (bench_nms_cuda.py's `chain_ab`
-// lines), the per-tile launches are the default.
+// no stream operation). On one H200 in one run (torch 2.11, 2026-11-28, bench_nms_cuda.py's `chain_ab` lines) it
+// was exact but slower than the per-tile launches: 1.32x their time at 20k boxes, 1.30x at 100k, 1.50x at 1M. Its
+// one resident grid of 1024-thread CTAs (64 registers each, one CTA per SM) runs the propagation on half the warps
+// the separate launches get. So the per-tile launches are the default.
 bool chain_opted_in() {
   const char* value = std::getenv("LIGHTNING_BALANCED_NMS_CHAIN");
   return value != nullptr && value[0] == '1' && value[1] == '\0';
