@@ -4,7 +4,11 @@ A test that leaves ``torch.cuda``'s sync debug mode set fails, and the mode is r
 every later test of the process at its first blocking copy (seen on a GPU machine on 2026-11-26).
 
 Under pytest-xdist each worker process gets its share of the cores for torch's intra-op threads: with ``-n 15`` on
-16 cores, every worker would otherwise start 16 threads, 240 in all, and oversubscribe the machine.
+16 cores, every worker would otherwise start 16 threads, 240 in all, and oversubscribe the machine. The share also
+goes into ``OMP_NUM_THREADS`` (unless set), so the processes a test starts (ranks, launchers, example jobs, the C++
+compiler of inductor's kernels) inherit it: on a 16-core GPU machine with ``-n 15`` (2026-11-28), without it, the
+example-config and multi-process tests took 3-4 times as long as on 2 cores with ``-n 2`` (detection_ddp_lr_linear
+83 s against 22 s), and the suite 3 min 49 s.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import torch
 def pytest_configure(config: pytest.Config) -> None:
     worker = getattr(config, "workerinput", None)  # set by pytest-xdist on its worker processes only
     if worker is not None and int(worker["workercount"]) > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(worker["workercount"])))
+        share = max(1, (os.cpu_count() or 1) // int(worker["workercount"]))
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
