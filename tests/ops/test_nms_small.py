@@ -91,8 +91,9 @@ def test_the_grid_of_step_4_never_misses_a_suppressor(
 ) -> None:
     """Step 4 tests a later row only against the kept rows in the cells it covers (nms_small.h). Boxes on a lattice
     of half units, so edges touch; sides from -2 to 6 (inverted, empty and touching intervals, and gaps below 1,
-    which offset 1 turns into overlaps); a share of boxes wider than 1/8 of the extent (`big`,
-    kept out of the grid); few overlaps, so most rows are kept and the grid is used."""
+    which offset 1 turns into overlaps); a share of boxes wider than 1/8 of the extent (`big`, kept out of the
+    grid); few overlaps, so most rows are kept and the grid is used. Fails when the offset is left out of a box's
+    cells, or the big boxes out of the candidates (both tried)."""
     gen = torch.Generator().manual_seed(seed)
     xy = torch.randint(0, 160, (n, 2), generator=gen).double() / 2
     wh = torch.randint(-4, 13, (n, 2), generator=gen).double() / 2
