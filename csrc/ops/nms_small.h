@@ -381,10 +381,11 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
       return resolve_block(s.cols, open_rows(s.suppressed[w], rows), warp);
     });
     // (c) the block's kept rows enter the grid, at the block's level (the coarsest of its open rows, so at most
-    // 2 x 2 cells each), when the grid is worth it (grid_level).
-    cta.each([&](int t) {
-      const int level = grid_level(s.kept[w], s.levels[w & 1]);
-      if (level < 0 || t >= kWordBits || ((s.kept[w] >> t) & 1) == 0) return;
+    // 2 x 2 cells each), when the grid is worth it (grid_level: shared values, so the same in every thread, and
+    // every thread reaches the barrier or none does).
+    const int level = grid_level(s.kept[w], s.levels[w & 1]);
+    if (level >= 0) cta.each([&](int t) {
+      if (t >= kWordBits || ((s.kept[w] >> t) & 1) == 0) return;
       const CellBox c = cell_box(s.boxes + 4 * (first + t), a.off, scale);
       if (intersects_nothing(c)) return;
       if (cell_level(c) > level) {  // big: above every level noted, so above big_level
@@ -404,9 +405,8 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
     cta.each([&](int t) {
       if (t < kWordBits) s.cols[t] = 0;
       if (t == 0) s.levels[(w + 1) & 1] = 0;
-      const uint64_t kept = s.kept[w], levels = s.levels[w & 1], big = *s.big;
+      const uint64_t kept = s.kept[w], big = *s.big;
       if (kept == 0) return;
-      const int level = grid_level(kept, levels);
       for (int64_t r = first + kWordBits + t; r < n; r += threads) {
         LB_COST(1);
         if (test_bit(s.suppressed, r)) continue;  // only this thread sets bit r from here on

@@ -189,7 +189,7 @@ def test_one_launch_and_two_host_ops_at_1k_boxes(layout: str, by_class: bool) ->
     4 launches and 7 host-side ops (8 for batched_nms, whose classes it first counts) for the same call.
 
     The critical path (serial steps of the one CTA, barriers included; a step is about one IoU test or one cell
-    read) stays under 1,000: measured 340 (nms, clustered, few kept) to 774 (nms, mixed sizes, 99 % kept), against
+    read) stays under 1,000: measured 326 (nms, clustered, few kept) to 774 (nms, mixed sizes, 99 % kept), against
     the chain's 51-242 in 3 launches plus the host's ops between them. Without step 4's grid it was 341 to 1,282:
     every kept row against every later open row, about n^2 / 2 IoU tests on one SM when nearly all boxes are
     kept."""
@@ -208,7 +208,7 @@ def test_one_launch_and_two_host_ops_at_1k_boxes(layout: str, by_class: bool) ->
 @pytest.mark.parametrize("by_class", [False, True], ids=["nms", "batched"])
 def test_the_grid_keeps_the_critical_path_near_linear_at_4000_boxes(layout: str, by_class: bool) -> None:
     """Step 4's grid: a later row is tested against the kept rows near it, not all of them. Critical path at 4000
-    boxes, measured: 1,004 (nms, clustered) to 4,407 (nms, mixed sizes); without the grid 1,044 to 10,971 (about
+    boxes, measured: 942 (nms, clustered) to 4,407 (nms, mixed sizes); without the grid 1,044 to 10,971 (about
     n^2 / 2 / 1024 IoU tests per thread when most boxes are kept)."""
     boxes, scores = _random_boxes(3, 4000, layout, torch.float32)
     idxs = torch.randint(0, 80, (4000,), generator=torch.Generator().manual_seed(0)) if by_class else None
