@@ -27,7 +27,7 @@
 // (cell_key): a monotone function of the coordinate, so two intervals that intersect share a key, and cutting
 // keys into cells (key >> level) keeps that. A box's level is the smallest at which its intervals [x1, x2 + offset]
 // and [y1, y2 + offset] span at most 2 cells each; the block's grid is at the coarsest level of its open rows, so
-// a kept row enters at most 4 cells, and a later row reads the cells it spans (at most 3 x 3, else it takes every
+// a kept row enters at most 4 cells, and a later row reads the cells it spans (at most 5 x 5, else it takes every
 // kept row). In nms a box wider or taller than 1/8 of the extent (big_level) stays out of the grid and is a
 // candidate for every row, so one large box does not coarsen the cells; batched_nms hashes the class into the
 // cell instead. Exact, not a heuristic: a box that suppresses another intersects it (inter > 0 in the rounded
@@ -401,7 +401,7 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
       }
     });
     // (d) every later open row is tested against the kept rows in the cells it covers (every kept row when it
-    // covers more than 3 x 3, or without the grid); cols and the next block's levels cleared.
+    // covers more than 5 x 5, or without the grid); cols and the next block's levels cleared.
     cta.each([&](int t) {
       if (t < kWordBits) s.cols[t] = 0;
       if (t == 0) s.levels[(w + 1) & 1] = 0;
@@ -417,11 +417,13 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
           if (intersects_nothing(c)) continue;
           const uint32_t x1 = c.x1 >> level, x2 = c.x2 >> level, y1 = c.y1 >> level, y2 = c.y2 >> level;
           const int64_t cls = by_class ? s.classes[r] : 0;
-          if (x2 - x1 <= 2 && y2 - y1 <= 2) {
-            LB_COST((x2 - x1 + 1) * (y2 - y1 + 1));
+          if (x2 - x1 <= 4 && y2 - y1 <= 4) {  // at most 5 x 5 cells, read until every kept row is a candidate
             candidates = big;
-            for (uint32_t cy = y1; cy <= y2; ++cy) {
-              for (uint32_t cx = x1; cx <= x2; ++cx) candidates |= s.cells[cell_word(cx, cy, cls)];
+            for (uint32_t cy = y1; cy <= y2 && candidates != kept; ++cy) {
+              for (uint32_t cx = x1; cx <= x2 && candidates != kept; ++cx) {
+                LB_COST(1);
+                candidates |= s.cells[cell_word(cx, cy, cls)];
+              }
             }
           }
         }
