@@ -71,23 +71,7 @@ constexpr int kCellKeyBits = 20;         // a coordinate's cell key: 0 .. 2^20 -
 constexpr int kSmallGridWords = 3 * 64 + kSmallCells + 6;  // suppressed, kept, cols, cells, levels, big, extent, spare
 
 // ---- the cells of step 4 -----------------------------------------------------------------------------------------
-// A float32 as an order-preserving unsigned integer, and back (for the extent's atomic min and max).
-LB_HOST_DEVICE uint32_t ordered_bits(float v) {
-  const uint32_t u = float_bits(v);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-LB_HOST_DEVICE float from_ordered_bits(uint32_t k) {
-  const uint32_t u = (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k;
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-#endif
-}
-
+// The extent is kept as ordered_bits (nms_tiled.h) for the atomic min and max below.
 // `*word = min(*word, k)` (or max), atomically on the device.
 LB_HOST_DEVICE void min_bits(uint32_t* word, uint32_t k) {
 #ifdef __CUDA_ARCH__

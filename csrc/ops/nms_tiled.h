@@ -139,12 +139,30 @@ LB_HOST_DEVICE uint32_t float_bits(float v) {
 #endif
 }
 
+LB_HOST_DEVICE float float_from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+#endif
+}
+
+// A float as an order-preserving unsigned integer (v <= w gives ordered_bits(v) <= ordered_bits(w), NaN aside),
+// and back.
+LB_HOST_DEVICE uint32_t ordered_bits(float v) {
+  const uint32_t u = float_bits(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+LB_HOST_DEVICE float from_ordered_bits(uint32_t k) {
+  return float_from_bits((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
 // The top 16 bits of a float in an order-preserving unsigned form: buckets whose width is 1/128 of their
 // binade, so the spatial order needs no extent of the input (no reduction before it).
-LB_HOST_DEVICE uint32_t ordered_key16(float v) {
-  const uint32_t u = float_bits(v);
-  return ((u & 0x80000000u) ? ~u : (u | 0x80000000u)) >> 16;
-}
+LB_HOST_DEVICE uint32_t ordered_key16(float v) { return ordered_bits(v) >> 16; }
 
 LB_HOST_DEVICE uint32_t spread_bits16(uint32_t x) {
   x &= 0xFFFFu;

@@ -41,6 +41,19 @@ def _launches_and_host_ops(steps: torch.Tensor) -> tuple[int, int]:
     return int((kind != TORCH_OP).sum()), int((kind == TORCH_OP).sum())
 
 
+def _single_launch_critical_path(
+    n: int, layout: str, by_class: bool
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One call of n boxes (80 classes when by_class), checked exact and one launch with 2 host ops; returns the
+    critical path of its cost model and the inputs (boxes, scores, idxs or None)."""
+    boxes, scores = _random_boxes(3, n, layout, torch.float32)
+    idxs = torch.randint(0, 80, (n,), generator=torch.Generator().manual_seed(0)) if by_class else None
+    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0)
+    assert torch.equal(keep, _expected(boxes, scores, idxs, 0.5))
+    assert _launches_and_host_ops(steps) == (1, 2)
+    return int(steps[:, 2].sum()), boxes, scores, idxs
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_single_launch_path_matches_the_reference_around_its_threshold(n: int, dtype: torch.dtype) -> None:
@@ -193,12 +206,8 @@ def test_one_launch_and_two_host_ops_at_1k_boxes(layout: str, by_class: bool) ->
     the chain's 51-242 in 3 launches plus the host's ops between them. Without step 4's grid it was 341 to 1,282:
     every kept row against every later open row, about n^2 / 2 IoU tests on one SM when nearly all boxes are
     kept."""
-    boxes, scores = _random_boxes(3, 1000, layout, torch.float32)
-    idxs = torch.randint(0, 80, (1000,), generator=torch.Generator().manual_seed(0)) if by_class else None
-    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0)
-    assert torch.equal(keep, _expected(boxes, scores, idxs, 0.5))
-    assert _launches_and_host_ops(steps) == (1, 2)
-    assert int(steps[:, 2].sum()) < 1_000
+    critical_path, boxes, scores, idxs = _single_launch_critical_path(1000, layout, by_class)
+    assert critical_path < 1_000
     _, chain = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0, 1024, 8192, 0)
     launches, host_ops = _launches_and_host_ops(chain)
     assert launches >= 3 and host_ops >= 7
@@ -210,12 +219,8 @@ def test_the_grid_keeps_the_critical_path_near_linear_at_4000_boxes(layout: str,
     """Step 4's grid: a later row is tested against the kept rows near it, not all of them. Critical path at 4000
     boxes, measured: 942 (nms, clustered) to 4,407 (nms, mixed sizes); without the grid 1,044 to 10,971 (about
     n^2 / 2 / 1024 IoU tests per thread when most boxes are kept)."""
-    boxes, scores = _random_boxes(3, 4000, layout, torch.float32)
-    idxs = torch.randint(0, 80, (4000,), generator=torch.Generator().manual_seed(0)) if by_class else None
-    keep, steps = torch.ops.lightning_balanced._nms_tiled(boxes, scores, idxs, 0.5, 0)
-    assert torch.equal(keep, _expected(boxes, scores, idxs, 0.5))
-    assert _launches_and_host_ops(steps) == (1, 2)
-    assert int(steps[:, 2].sum()) < 5_000
+    critical_path, *_ = _single_launch_critical_path(4000, layout, by_class)
+    assert critical_path < 5_000
 
 
 def test_small_rows_is_checked() -> None:
