@@ -11,14 +11,18 @@
 //   3. the boxes loaded by rank into shared memory (over the sort's scores, no longer read), the non-finite flags,
 //      a padding box (score -inf, padded form) marked suppressed, and the extent of the other boxes (shared
 //      atomic min/max);
-//   4. per 64-row block w, in order (4 phases): (a) `cols`, the earlier open rows of the block that suppress each
+//   4. per 64-row block w, in order (5 phases): (a) `cols`, the earlier open rows of the block that suppress each
 //      open row (16 threads per row, 4 columns each, ORed in with a shared atomic); (b) warp 0 resolves the block
 //      in rounds of ballots (resolve_block of nms_tiled.h, unchanged); (c) the block's kept rows enter a hashed
 //      grid of cells (below); (d) every later open row is tested against the kept rows in the cells it covers
-//      (one thread per row, 4 rows per thread at 4096, stopping at the first hit). Only kept rows suppress, and a
-//      suppressed row is never tested again. Without the grid, (d) was (kept rows) x (open later rows) IoU tests on
-//      one SM, n^2 / 2 when nearly all boxes are kept, and it set the time at 1k boxes on an H200 (uniform boxes
-//      0.31 ms, clustered ones 0.14 ms); the cost model reports the critical path (test_nms_small.py bounds it);
+//      (one thread per row, 4 rows per thread at 4096, stopping at the first hit), unless it has more than
+//      kDeferAbove candidates: then it is deferred to (e), which tests each deferred row against the block's
+//      kept rows with one thread per (row, kept row) pair. Only kept rows suppress, and a suppressed row is never
+//      tested again. Without the grid, (d) was (kept rows) x (open later rows) IoU tests on one SM, n^2 / 2 when
+//      nearly all boxes are kept, and it set the time at 1k boxes on an H200 (uniform boxes 0.31 ms, clustered
+//      ones 0.14 ms). Without (e), one large later row (every kept row of the block a candidate) set the deepest
+//      thread of (d), and the phase waits for its deepest thread; the cost model reports the critical path
+//      (test_nms_small.py bounds it);
 //   5. compaction: each kept row's output slot is the popcount of the kept rows before it; the slots after the
 //      last kept box get -1; thread 0 writes the counters (kept, flags) and, for the padded form, num_kept (or -1
 //      and a row of -1 for an image with a non-finite value). No global scratch, nothing zero-filled by the host.
@@ -27,20 +31,23 @@
 // (cell_key): a monotone function of the coordinate, so two intervals that intersect share a key, and cutting
 // keys into cells (key >> level) keeps that. A box's level is the smallest at which its intervals [x1, x2 + offset]
 // and [y1, y2 + offset] span at most 2 cells each; the block's grid is at the coarsest level of its open rows, so
-// a kept row enters at most 4 cells, and a later row reads the cells it spans (at most 5 x 5, else it takes every
-// kept row). In nms a box wider or taller than 1/8 of the extent (big_level) stays out of the grid and is a
-// candidate for every row, so one large box does not coarsen the cells; batched_nms hashes the class into the
-// cell instead. Exact, not a heuristic: a box that suppresses another intersects it (inter > 0 in the rounded
-// arithmetic of `suppresses` gives max(x1) <= x2 + offset, rounded, for both boxes, and the same in y), so both
-// span the cell of the larger x1 and the larger y1; hash collisions and coarse cells only add candidates. A box
-// whose interval is inverted (x2 + offset < x1) intersects nothing and is skipped. The grid is used only when the
-// block keeps more than 8 rows (grid_level). It costs one phase per block and 4 KiB.
+// most kept rows enter at most 2 x 2 cells, and a later row reads the cells it spans (at most 5 x 5, else it takes
+// every kept row). In nms a box wider or taller than 1/8 of the extent (big_level) does not set the level, so one
+// large box does not coarsen the cells: as a kept row it enters the cells it spans when they are at most 3 x 3
+// (kMaxInsertSpan), else the word `big`, whose rows are candidates for every later row. batched_nms hashes the
+// class into the cell, so there even coarse cells separate the boxes: every open row sets the level. Exact, not a
+// heuristic: a box that suppresses another intersects it (inter > 0 in the rounded arithmetic of `suppresses`
+// gives max(x1) <= x2 + offset, rounded, for both boxes, and the same in y), so both span the cell of the larger
+// x1 and the larger y1; hash collisions and coarse cells only add candidates. A box whose interval is inverted
+// (x2 + offset < x1) intersects nothing and is skipped. The grid is used only when the block keeps more than 8
+// rows (grid_level). It costs one phase per block and 4 KiB; (e) one phase per block that defers a row, and the
+// deferred rows' indices, 512 bytes (past kDeferredRows in a block, a row is tested in (d) as before).
 // Shared memory: kSmallGridWords words (the block state and the grid), the boxes (4 values per box, at least the
-// sort's S scores), the sort's S int32 indices, and for batched_nms the int64 classes: float32 4096 boxes 85.5 KiB
-// (117.5 KiB with classes), float64 149.5 KiB (181.5 KiB). Over the 48 KiB static limit, so it is dynamic shared
+// sort's S scores), the sort's S int32 indices, and for batched_nms the int64 classes: float32 4096 boxes 86 KiB
+// (118 KiB with classes), float64 150 KiB (182 KiB). Over the 48 KiB static limit, so it is dynamic shared
 // memory, opted in with cudaFuncSetAttribute; the CUDA driver takes this path only when `small_shared_bytes` fits
 // the device's opt-in limit (227 KiB on sm_90 and sm_100: all of them; 163 KiB on sm_80: all but float64 with
-// classes above 3,621 boxes; 99 KiB on sm_86/89: float32 up to 4096 boxes, 3,304 with classes, float64 2,478 and
+// classes above 3,608 boxes; 99 KiB on sm_86/89: float32 up to 4096 boxes, 3,283 with classes, float64 2,462 and
 // 2,048; 64 KiB on sm_75), else the tiled chain. The emulation models sm_90's limit.
 //
 // Written once for the device and the host, against a `Cta`:
@@ -68,7 +75,11 @@ constexpr int64_t kSmallMaxRows = 4096;  // boxes per image, at most (64 blocks 
 constexpr int64_t kSmallSharedLimitSm90 = 227 * 1024;  // the opt-in limit the emulation models
 constexpr int kSmallCells = 512;         // words of the hashed grid of step 4 (4 KiB)
 constexpr int kCellKeyBits = 20;         // a coordinate's cell key: 0 .. 2^20 - 1
-constexpr int kSmallGridWords = 3 * 64 + kSmallCells + 6;  // suppressed, kept, cols, cells, levels, big, extent, spare
+constexpr uint32_t kMaxInsertSpan = 3;  // a kept row enters at most 3 x 3 cells of step 4's grid, else it is big
+constexpr int kDeferAbove = 24;         // a later row with more candidates is tested in step 4 (e)
+constexpr int kDeferredRows = 256;      // the rows step 4 (e) takes per block, at most (uint16 indices)
+// suppressed, kept, cols, cells, levels, big, extent, the deferred count, the deferred rows (uint16)
+constexpr int kSmallGridWords = 3 * 64 + kSmallCells + 6 + kDeferredRows / 4;
 
 // ---- the cells of step 4 -----------------------------------------------------------------------------------------
 // The extent is kept as ordered_bits (nms_tiled.h) for the atomic min and max below.
@@ -86,6 +97,15 @@ LB_HOST_DEVICE void max_bits(uint32_t* word, uint32_t k) {
   atomicMax(word, k);
 #else
   *word = max_of(*word, k);
+#endif
+}
+
+// `*word += 1`, atomically on the device; the old value.
+LB_HOST_DEVICE uint32_t increment(uint32_t* word) {
+#ifdef __CUDA_ARCH__
+  return atomicAdd(word, 1u);
+#else
+  return (*word)++;
 #endif
 }
 
@@ -143,12 +163,12 @@ LB_HOST_DEVICE bool intersects_nothing(const CellBox& c) { return c.x2 < c.x1 ||
 // The smallest level (cells of 2^level keys) at which both intervals span at most 2 cells.
 LB_HOST_DEVICE int cell_level(const CellBox& c) { return bit_length(max_of(c.x2 - c.x1, c.y2 - c.y1)); }
 
-// A box above this level (wider or taller than 1/8 of the image's extent) is `big`: in nms it stays out of the
-// grid, its bit in a word every later row takes as candidates, so one large box does not make the cells coarse.
-// batched_nms hashes the class into the cell, so there even coarse cells separate the boxes: no box is big.
+// A box above this level (wider or taller than 1/8 of the image's extent) does not set the grid's level in nms, so
+// one large box does not make the cells coarse; as a kept row it enters the cells it spans, or `big` (step 4 (c)).
+// batched_nms hashes the class into the cell, so there even coarse cells separate the boxes: every box sets it.
 LB_HOST_DEVICE int big_level(bool by_class) { return by_class ? kCellKeyBits : kCellKeyBits - 3; }
 
-// The level of the block's grid: the coarsest level of its open rows that are not big (`levels`, a bit each), or
+// The level of the block's grid: the coarsest level of its open rows up to big_level (`levels`, a bit each), or
 // -1 when the grid would not pay: at most 8 kept rows (testing them all is as cheap), or no such row. The same in
 // every thread (shared values).
 LB_HOST_DEVICE int grid_level(uint64_t kept, uint64_t levels) {
@@ -192,8 +212,10 @@ struct SmallShared {
   uint64_t* cols;        // [64]: the current block's `cols`
   uint64_t* cells;       // [kSmallCells]: the hashed grid of the current block's kept rows
   uint64_t* levels;      // [2]: by block parity, the levels (cell_level) of the block's open rows, a bit each
-  uint64_t* big;         // [1]: the block's kept rows that are big (big_level), outside the grid
+  uint64_t* big;         // [1]: the block's kept rows that span more than 3 x 3 cells, outside the grid
   uint32_t* extent;      // [4]: min x1, min y1, max x2 + off, max y2 + off, as ordered_bits
+  uint32_t* deferred;    // [2]: the rows step 4 (d) deferred to (e) (may exceed kDeferredRows), spare
+  uint16_t* rows;        // [kDeferredRows]: those rows
   T* boxes;              // [n, 4] by rank; before that, the sort's scores [S]
   int64_t* classes;      // [n] by rank, or nullptr
   int32_t* order;        // [S]: rank -> input index
@@ -210,6 +232,8 @@ LB_HOST_DEVICE SmallShared<T> small_shared(unsigned char* base, int64_t n, bool 
   s.levels = s.cells + kSmallCells;
   s.big = s.levels + 2;
   s.extent = reinterpret_cast<uint32_t*>(s.big + 1);
+  s.deferred = s.extent + 4;
+  s.rows = reinterpret_cast<uint16_t*>(s.deferred + 2);
   unsigned char* p = base + kSmallGridWords * 8;
   s.boxes = reinterpret_cast<T*>(p);
   p += round_up8(small_box_values(n) * static_cast<int64_t>(sizeof(T)));
@@ -334,11 +358,11 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
   for (int w = 0; w < words; ++w) {
     const int64_t first = int64_t{w} * kWordBits;
     const int rows = static_cast<int>(min_of(int64_t{kWordBits}, n - first));
-    // (a) cols: thread t takes row t % 64 and its columns [t / 64 * per, + per). Also: the grid and `big`
-    // cleared, and the levels of the block's open rows that are not big noted (their kept rows are among them).
+    // (a) cols: thread t takes row t % 64 and its columns [t / 64 * per, + per). Also: the grid, `big` and the
+    // deferred count cleared, and the levels of the block's open rows up to big_level noted.
     cta.each([&](int t) {
       for (int c = t; c < kSmallCells; c += threads) s.cells[c] = 0;
-      if (t == 0) *s.big = 0;
+      if (t == 0) *s.big = *s.deferred = 0;
       constexpr int per = kWordBits / (threads / kWordBits);
       const int row = t % kWordBits, begin = t / kWordBits * per;
       const uint64_t open = open_rows(s.suppressed[w], rows);
@@ -364,28 +388,29 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
     cta.warp0(&s.kept[w], [&](const auto& warp) {
       return resolve_block(s.cols, open_rows(s.suppressed[w], rows), warp);
     });
-    // (c) the block's kept rows enter the grid, at the block's level (the coarsest of its open rows, so at most
-    // 2 x 2 cells each), when the grid is worth it (grid_level: shared values, so the same in every thread, and
-    // every thread reaches the barrier or none does).
+    // (c) the block's kept rows enter the grid at the block's level (the coarsest of its open rows up to
+    // big_level, so at most 2 x 2 cells for those), the cells they span when at most 3 x 3, else `big`; only when
+    // the grid is worth it (grid_level: shared values, so the same in every thread, and every thread reaches the
+    // barrier or none does).
     const int level = grid_level(s.kept[w], s.levels[w & 1]);
     if (level >= 0) cta.each([&](int t) {
       if (t >= kWordBits || ((s.kept[w] >> t) & 1) == 0) return;
       const CellBox c = cell_box(s.boxes + 4 * (first + t), a.off, scale);
       if (intersects_nothing(c)) return;
-      if (cell_level(c) > level) {  // big: above every level noted, so above big_level
+      const uint32_t x1 = c.x1 >> level, x2 = c.x2 >> level, y1 = c.y1 >> level, y2 = c.y2 >> level;
+      if (x2 - x1 >= kMaxInsertSpan || y2 - y1 >= kMaxInsertSpan) {  // big: a candidate for every later row
         or_word(s.big, uint64_t{1} << t);
         return;
       }
       const int64_t cls = by_class ? s.classes[first + t] : 0;
-      LB_COST(4);
-      for (uint32_t cy = c.y1 >> level; cy <= c.y2 >> level; ++cy) {
-        for (uint32_t cx = c.x1 >> level; cx <= c.x2 >> level; ++cx) {
-          or_word(&s.cells[cell_word(cx, cy, cls)], uint64_t{1} << t);
-        }
+      LB_COST((x2 - x1 + 1) * (y2 - y1 + 1));
+      for (uint32_t cy = y1; cy <= y2; ++cy) {
+        for (uint32_t cx = x1; cx <= x2; ++cx) or_word(&s.cells[cell_word(cx, cy, cls)], uint64_t{1} << t);
       }
     });
     // (d) every later open row is tested against the kept rows in the cells it covers (every kept row when it
-    // covers more than 5 x 5, or without the grid); cols and the next block's levels cleared.
+    // covers more than 5 x 5, or without the grid), or deferred to (e) when they are more than kDeferAbove; cols
+    // and the next block's levels cleared.
     cta.each([&](int t) {
       if (t < kWordBits) s.cols[t] = 0;
       if (t == 0) s.levels[(w + 1) & 1] = 0;
@@ -411,6 +436,14 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
             }
           }
         }
+        if (popcount(candidates & kept) > kDeferAbove) {
+          LB_COST(1);
+          const uint32_t slot = increment(s.deferred);
+          if (slot < kDeferredRows) {
+            s.rows[slot] = static_cast<uint16_t>(r);
+            continue;
+          }
+        }
         const T area = area_of(box, a.off);
         bool hit = false;
         for (uint64_t left = candidates & kept; left != 0 && !hit;) {
@@ -420,6 +453,24 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
           hit = same_class(q, r) && suppresses(other, area_of(other, a.off), box, area, a.thr, a.off);
         }
         if (hit) or_word(&s.suppressed[r >> 6], uint64_t{1} << (r & 63));
+      }
+    });
+    // (e) the deferred rows, each against every kept row of the block, one (row, kept row) pair per thread; only
+    // when (d) deferred a row (a shared count, read by every thread after the barrier and reset in the next (a),
+    // past this phase's barrier: every thread reaches it or none does).
+    const int deferred = static_cast<int>(min_of(*s.deferred, static_cast<uint32_t>(kDeferredRows)));
+    if (deferred > 0) cta.each([&](int t) {
+      const uint64_t kept = s.kept[w];
+      for (int p = t; p < deferred * kWordBits; p += threads) {
+        LB_COST(1);
+        const int c = p % kWordBits;
+        const int64_t r = s.rows[p / kWordBits], q = first + c;
+        if (((kept >> c) & 1) == 0 || !same_class(q, r)) continue;
+        const T* box = s.boxes + 4 * r;
+        const T* other = s.boxes + 4 * q;
+        if (suppresses(other, area_of(other, a.off), box, area_of(box, a.off), a.thr, a.off)) {
+          or_word(&s.suppressed[r >> 6], uint64_t{1} << (r & 63));
+        }
       }
     });
   }

@@ -10,7 +10,7 @@
 // one CTA of 1024 threads per image sorting, resolving and compacting in shared memory (ops/nms_small.h); nms and
 // batched_nms then issue one allocation, that launch and the read of the kept count, batched_nms_padded two
 // allocations and the launch. Run on an H200 (2026-11-28): exact; 1k boxes in 0.14-0.31 ms, before step 4's grid
-// of cells (nms_small.h), which has not run on a GPU yet.
+// of cells and its deferred rows (nms_small.h), which have not run on a GPU yet.
 //
 // Above one tile (1024 boxes per image or class row), the per-tile launches: a tile launch, then its propagation
 // launch, per 1024 boxes. Opt-in (LIGHTNING_BALANCED_NMS_CHAIN=1, chain_opted_in below: measured slower on an H200),
@@ -131,9 +131,10 @@ struct DeviceCta {
 };
 
 // The single-launch NMS (nms_small.h): one CTA of kSmallThreads per image (blockIdx.y), everything in dynamic
-// shared memory.
+// shared memory. At least 1 CTA per SM, which allows 64 registers a thread: with the maximum block size alone,
+// ptxas 13 gave the float instantiations 32 registers and spills on sm_90 (54 and none with it).
 template <typename T, typename scalar_t>
-__global__ void __launch_bounds__(kSmallThreads) small_kernel(SmallArgs<T, scalar_t> args) {
+__global__ void __launch_bounds__(kSmallThreads, 1) small_kernel(SmallArgs<T, scalar_t> args) {
   extern __shared__ __align__(16) unsigned char small_smem[];
   small_nms(args, blockIdx.y, small_smem, DeviceCta{static_cast<int>(threadIdx.x)});
 }
