@@ -353,7 +353,12 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
   });
   const CellScale scale = cell_scale(s.extent);  // the same in every thread
 
-  const auto same_class = [&](int64_t x, int64_t y) { return !by_class || s.classes[x] == s.classes[y]; };
+  // Whether row q suppresses row r, whose area is `area` (boxes and classes by rank).
+  const auto suppresses_row = [&](int64_t q, int64_t r, T area) {
+    const T* other = s.boxes + 4 * q;
+    return (!by_class || s.classes[q] == s.classes[r]) &&
+           suppresses(other, area_of(other, a.off), s.boxes + 4 * r, area, a.thr, a.off);
+  };
   // 4. the blocks in order.
   for (int w = 0; w < words; ++w) {
     const int64_t first = int64_t{w} * kWordBits;
@@ -372,15 +377,12 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
         if (!intersects_nothing(c) && level <= big_level(by_class)) or_word(&s.levels[w & 1], uint64_t{1} << level);
       }
       if (((open >> row) & 1) == 0 || begin >= row) return;
-      const T* box = s.boxes + 4 * (first + row);
-      const T area = area_of(box, a.off);
+      const T area = area_of(s.boxes + 4 * (first + row), a.off);
       uint64_t bits = 0;
       const int end = min_of(begin + per, row);
       LB_COST(end - begin);
       for (int c = begin; c < end; ++c) {
-        if (((open >> c) & 1) == 0 || !same_class(first + c, first + row)) continue;
-        const T* other = s.boxes + 4 * (first + c);
-        if (suppresses(other, area_of(other, a.off), box, area, a.thr, a.off)) bits |= uint64_t{1} << c;
+        if (((open >> c) & 1) != 0 && suppresses_row(first + c, first + row, area)) bits |= uint64_t{1} << c;
       }
       if (bits != 0) or_word(&s.cols[row], bits);
     });
@@ -448,9 +450,7 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
         bool hit = false;
         for (uint64_t left = candidates & kept; left != 0 && !hit;) {
           LB_COST(1);
-          const int64_t q = first + pop_lowest(left);
-          const T* other = s.boxes + 4 * q;
-          hit = same_class(q, r) && suppresses(other, area_of(other, a.off), box, area, a.thr, a.off);
+          hit = suppresses_row(first + pop_lowest(left), r, area);
         }
         if (hit) or_word(&s.suppressed[r >> 6], uint64_t{1} << (r & 63));
       }
@@ -464,11 +464,8 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
       for (int p = t; p < deferred * kWordBits; p += threads) {
         LB_COST(1);
         const int c = p % kWordBits;
-        const int64_t r = s.rows[p / kWordBits], q = first + c;
-        if (((kept >> c) & 1) == 0 || !same_class(q, r)) continue;
-        const T* box = s.boxes + 4 * r;
-        const T* other = s.boxes + 4 * q;
-        if (suppresses(other, area_of(other, a.off), box, area_of(box, a.off), a.thr, a.off)) {
+        const int64_t r = s.rows[p / kWordBits];
+        if (((kept >> c) & 1) != 0 && suppresses_row(first + c, r, area_of(s.boxes + 4 * r, a.off))) {
           or_word(&s.suppressed[r >> 6], uint64_t{1} << (r & 63));
         }
       }
