@@ -20,14 +20,16 @@ TORCH_LIBRARY_FRAGMENT(lightning_balanced, m) {
   // the cost model, a row per launch the GPU would make and per host-side torch op: (kind, parallel width, serial
   // depth). Images of at most small_rows boxes take the single-launch path (nms_small.h); 0 forces the tiles. Above
   // one tile, `persistent` runs the persistent chain (one launch, as the CUDA ops do when opted in with
-  // LIGHTNING_BALANCED_NMS_CHAIN=1), false the per-tile launches (the CUDA default).
+  // LIGHTNING_BALANCED_NMS_CHAIN=1), false the per-tile launches (the CUDA default). `thread_order` is the order in
+  // which the emulation runs a phase's threads (0 by index, 1 reversed, k > 1 a permutation): a result that
+  // depends on it is a race the GPU would show (cpu/nms_tiled_schedule.cpp).
   m.def(
       "_nms_tiled_schedule(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int offset, bool padded, "
-      "int capacity, int tile_rows=1024, int propagate_warps=8192, int small_rows=4096, bool persistent=True) -> "
-      "(Tensor, Tensor, Tensor)");
+      "int capacity, int tile_rows=1024, int propagate_warps=8192, int small_rows=4096, bool persistent=True, "
+      "int thread_order=0) -> (Tensor, Tensor, Tensor)");
   // Private, CPU only: what the CUDA nms (idxs None) and batched_nms run, on the host; returns the kept indices
   // and the cost model.
   m.def(
       "_nms_tiled(Tensor boxes, Tensor scores, Tensor? idxs, float iou_threshold, int offset=0, int tile_rows=1024, "
-      "int propagate_warps=8192, int small_rows=4096, bool persistent=True) -> (Tensor, Tensor)");
+      "int propagate_warps=8192, int small_rows=4096, bool persistent=True, int thread_order=0) -> (Tensor, Tensor)");
 }

@@ -36,6 +36,26 @@ thread_local bool persistent_chain = true;
 constexpr int64_t kModelResidentThreads = int64_t{132} * 1024;
 constexpr int64_t kGridBarrierSteps = 32;
 
+// The order in which a phase's threads run here (the op's `thread_order`): 0 by index, 1 reversed, k > 1 the
+// bijection i -> (p * i + k) mod count, p a prime that does not divide count. The GPU runs them at once, so a
+// result that depends on this order is a race within a phase: a thread reading what another writes before the
+// barrier that separates them. Sequential threads cannot show a torn read-modify-write; the order shows the rest.
+thread_local int64_t thread_order = 0;
+
+template <typename F>
+void in_thread_order(int64_t count, const F& thread) {
+  if (thread_order == 0) {
+    for (int64_t i = 0; i < count; ++i) thread(i);
+  } else if (thread_order == 1) {
+    for (int64_t i = count - 1; i >= 0; --i) thread(i);
+  } else {
+    constexpr int64_t primes[] = {7919, 104729, 1299709, 15485863};
+    int64_t p = primes[thread_order % 4];
+    for (int k = 0; k < 4 && count % p == 0; ++k) p = primes[(thread_order + k + 1) % 4];
+    for (int64_t i = 0; i < count; ++i) thread((p * i + thread_order) % count);
+  }
+}
+
 void record(StepKind kind, int64_t width, int64_t depth) {
   if (recorded_steps != nullptr) recorded_steps->insert(recorded_steps->end(), {kind, width, depth});
 }
@@ -71,11 +91,11 @@ struct HostCta {
   template <typename F>
   void each(const F& f) const {
     int64_t deepest = 0;
-    for (int t = 0; t < kThreads; ++t) {
+    in_thread_order(kThreads, [&](int64_t t) {
       serial_steps() = 0;
-      f(t);
+      f(static_cast<int>(t));
       deepest = std::max(deepest, serial_steps());
-    }
+    });
     *depth += deepest + 1;
   }
   template <typename F>
@@ -184,11 +204,11 @@ struct HostLaunch {
     template <typename F>
     void spread(int64_t items, int64_t units, const F& item) const {
       std::vector<int64_t> load(static_cast<size_t>(std::max<int64_t>(0, std::min(items, units))), 0);
-      for (int64_t i = 0; i < items; ++i) {
+      in_thread_order(items, [&](int64_t i) {
         serial_steps() = 0;
         item(i);
         load[i % units] += serial_steps();
-      }
+      });
       phase += load.empty() ? 0 : *std::max_element(load.begin(), load.end());
     }
     template <typename F>
@@ -211,15 +231,15 @@ struct HostLaunch {
     }
   };
 
-  // The threads 0 .. count - 1 one after another; returns the largest number of serial steps one ran.
+  // The threads 0 .. count - 1 one after another (in_thread_order); returns the most serial steps one ran.
   template <typename F>
   static int64_t deepest(int64_t count, const F& thread) {
     int64_t depth = 0;
-    for (int64_t i = 0; i < count; ++i) {
+    in_thread_order(count, [&](int64_t i) {
       serial_steps() = 0;
       thread(i);
       depth = std::max(depth, serial_steps());
-    }
+    });
     return depth;
   }
 
@@ -230,7 +250,9 @@ struct HostLaunch {
   }
 };
 
-void check_schedule_sizes(const char* op, int64_t tile_rows, int64_t propagate_warps, int64_t small_rows) {
+void check_schedule_sizes(const char* op, int64_t tile_rows, int64_t propagate_warps, int64_t small_rows,
+                          int64_t order) {
+  TORCH_CHECK_VALUE(order >= 0, op, ": thread_order must be >= 0, got ", order);
   TORCH_CHECK_VALUE(small_rows >= 0 && small_rows <= kSmallMaxRows, op, ": small_rows must be in [0, ",
                     kSmallMaxRows, "], got ", small_rows);
   TORCH_CHECK_VALUE(tile_rows > 0 && tile_rows % kWordBits == 0 && tile_rows <= 4096, op,
@@ -241,13 +263,15 @@ void check_schedule_sizes(const char* op, int64_t tile_rows, int64_t propagate_w
 // Records the cost model while it lives (one call of an op); `steps()`: [launches, 3] (kind, width, depth).
 class Recording {
  public:
-  explicit Recording(bool persistent) {
+  Recording(bool persistent, int64_t order) {
     recorded_steps = &steps_;
     persistent_chain = persistent;
+    thread_order = order;
   }
   ~Recording() {
     recorded_steps = nullptr;
     persistent_chain = true;
+    thread_order = 0;
   }
   Recording(const Recording&) = delete;
   Recording& operator=(const Recording&) = delete;
@@ -262,11 +286,11 @@ class Recording {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
     const at::Tensor& boxes, const at::Tensor& scores, const std::optional<at::Tensor>& idxs, double iou_threshold,
     int64_t offset, bool padded, int64_t capacity, int64_t tile_rows, int64_t propagate_warps, int64_t small_rows,
-    bool persistent) {
+    bool persistent, int64_t order) {
   constexpr const char* op = "_nms_tiled_schedule";
   lightning_balanced::check_padded_args(op, boxes, scores, idxs, iou_threshold, capacity, offset);
   TORCH_CHECK_VALUE(boxes.device().is_cpu(), op, ": the CPU kernel got tensors on ", boxes.device());
-  check_schedule_sizes(op, tile_rows, propagate_warps, small_rows);
+  check_schedule_sizes(op, tile_rows, propagate_warps, small_rows, order);
   const TiledInput input{boxes,
                          scores,
                          idxs.has_value() ? lightning_balanced::idxs_as_int64(*idxs).contiguous() : at::Tensor(),
@@ -274,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
                          offset,
                          padded,
                          capacity};
-  const Recording recording(persistent);
+  const Recording recording(persistent, order);
   if (takes_small_path<HostLaunch>(input, small_rows)) {
     // As padded_nms (nms_tiled_driver.h): the outputs keep and, padded, num_kept (host ops); the raw counters too,
     // for the tests, not counted. num_kept is checked against the counters here.
@@ -303,17 +327,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nms_tiled_schedule_cpu(
 std::tuple<at::Tensor, at::Tensor> nms_tiled_cpu(const at::Tensor& boxes, const at::Tensor& scores,
                                                  const std::optional<at::Tensor>& idxs, double iou_threshold,
                                                  int64_t offset, int64_t tile_rows, int64_t propagate_warps,
-                                                 int64_t small_rows, bool persistent) {
+                                                 int64_t small_rows, bool persistent, int64_t order) {
   constexpr const char* op = "_nms_tiled";
   lightning_balanced::check_nms_args(op, boxes, scores, iou_threshold, offset);
   TORCH_CHECK_VALUE(boxes.device().is_cpu(), op, ": the CPU kernel got tensors on ", boxes.device());
-  check_schedule_sizes(op, tile_rows, propagate_warps, small_rows);
+  check_schedule_sizes(op, tile_rows, propagate_warps, small_rows, order);
   at::Tensor classes;
   if (idxs.has_value()) {
     lightning_balanced::check_idxs_arg(boxes, *idxs);
     classes = lightning_balanced::idxs_as_int64(*idxs);
   }
-  const Recording recording(persistent);
+  const Recording recording(persistent, order);
   const at::Tensor keep = tiled_nms<HostLaunch>(op, boxes, scores, classes, iou_threshold, offset,
                                                 static_cast<int>(tile_rows), propagate_warps, small_rows);
   return {keep, recording.steps()};
