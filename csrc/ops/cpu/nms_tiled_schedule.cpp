@@ -60,24 +60,24 @@ void record(StepKind kind, int64_t width, int64_t depth) {
   if (recorded_steps != nullptr) recorded_steps->insert(recorded_steps->end(), {kind, width, depth});
 }
 
-// The `Warp` of nms_tiled.h, its 32 lanes (and 64 rows) one after another.
+// The `Warp` of nms_tiled.h, its 32 lanes (and 64 rows) one after another, in in_thread_order.
 struct HostWarp {
   template <typename Pred>
   uint64_t ballot32(const Pred& pred) const {
     uint64_t bits = 0;
-    for (int lane = 0; lane < 32; ++lane) bits |= uint64_t{pred(lane)} << lane;
+    in_thread_order(32, [&](int64_t lane) { bits |= uint64_t{pred(static_cast<int>(lane))} << lane; });
     return bits;
   }
   template <typename Pred>
   uint64_t ballot64(const Pred& pred) const {
     uint64_t bits = 0;
-    for (int r = 0; r < kWordBits; ++r) bits |= uint64_t{pred(r)} << r;
+    in_thread_order(kWordBits, [&](int64_t r) { bits |= uint64_t{pred(static_cast<int>(r))} << r; });
     return bits;
   }
   template <typename Value>
   uint64_t any_or(const Value& value) const {
     uint64_t bits = 0;
-    for (int lane = 0; lane < 32; ++lane) bits |= value(lane);
+    in_thread_order(32, [&](int64_t lane) { bits |= value(static_cast<int>(lane)); });
     return bits;
   }
   void leader_or(uint64_t* word, uint64_t bits) const { *word |= bits; }
