@@ -58,6 +58,7 @@ it skipped and exits 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -543,59 +544,94 @@ def goal_row(
 
 
 def goal_table(bench: Bench) -> int:
-    """Runs every goal row and the padded row, then the chain's A/B; returns how many rows pass."""
+    """Runs every goal row and the padded row, then the A/B of the chain and of the single launch; returns how many
+    rows pass."""
     passed = sum(goal_row(bench, *goal) for goal in GOALS)
     print("  (padded row)", flush=True)
     passed += bench_padded(bench, batch=64, n=5000, max_output=300, goal_ms=2.0)
     print(f"goal_table: {passed}/{len(GOALS) + 1} rows pass", flush=True)
     chain_ab(bench)
+    small_ab(bench)
     return passed
 
 
 #: The opt-in switch of the CUDA ops' persistent chain (csrc/ops/cuda/nms_kernel.cu), read at each call.
 CHAIN_SWITCH = "LIGHTNING_BALANCED_NMS_CHAIN"
+#: The single-launch path's limit in boxes per image (same file; 0 turns it off), read at each call.
+SMALL_ROWS_SWITCH = "LIGHTNING_BALANCED_NMS_SMALL_ROWS"
+
+
+def switch_ab(
+    bench: Bench, label: str, switch: str, settings: dict[str, str], cases: list[tuple[str, int, str]]
+) -> float | None:
+    """Each case (op, N, workload) timed under both ``settings`` of the environment variable ``switch`` (name ->
+    value, the first the default path) in the same run, calls alternating: one ``{label}`` line per case, with the
+    second's time over the first's, and the geometric mean of those ratios (returned). Both must keep the CPU
+    kernel's indices."""
+    if not bench.clock.cuda:
+        print(f"{label}: skipped (no GPU)", flush=True)
+        return None
+    (first, _), (second, _) = settings.items()
+    previous = os.environ.get(switch)
+
+    def under(value: str, call: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def timed() -> torch.Tensor:
+            os.environ[switch] = value
+            return call()
+
+        return timed
+
+    ratios = []
+    try:
+        for op, n, kind in cases:
+            boxes_cpu, scores_cpu, idxs_cpu = workload(kind, n, seed=n + 7)
+            device = bench.clock.device
+            boxes, scores, idxs = boxes_cpu.to(device), scores_cpu.to(device), idxs_cpu.to(device)
+            if op == "nms":
+                expected = nms(boxes_cpu, scores_cpu, bench.args.iou)
+                call: Callable[[], torch.Tensor] = functools.partial(nms, boxes, scores, bench.args.iou)
+            else:
+                expected = batched_nms(boxes_cpu, scores_cpu, idxs_cpu, bench.args.iou)
+                call = functools.partial(batched_nms, boxes, scores, idxs, bench.args.iou)
+            calls = {name: under(value, call) for name, value in settings.items()}
+            exact = all(torch.equal(fn().cpu(), expected) for fn in calls.values())
+            fns: dict[str, Fn] = dict(calls)
+            times = measure(bench.clock, fns, bench.args.warmup, bench.args.repeats, bench.args.row_budget)
+            ratios.append(times[second] / times[first])
+            print(
+                f"{label} {op} {n} {kind}: {first} {_fmt_ms(times[first])} ms, {second} {_fmt_ms(times[second])} ms,"
+                f" {second}/{first} {ratios[-1]:.3f}, exact={'yes' if exact else 'NO'}",
+                flush=True,
+            )
+            if not exact:
+                bench.failures.append(f"{label} {op} {n} {kind}: not the CPU kernel's indices")
+    finally:
+        if previous is None:
+            os.environ.pop(switch, None)
+        else:
+            os.environ[switch] = previous
+    return math.exp(sum(map(math.log, ratios)) / len(ratios))
 
 
 def chain_ab(bench: Bench) -> float | None:
     """``nms`` above the single-launch path with the per-tile launches (the default) and with the persistent chain
-    (opted in), in the same run, calls alternating: one ``chain_ab`` line per case and ``chain_over_per_tile``, the
-    geometric mean of chain / per-tile (below 1: the chain is faster). Both must keep the CPU kernel's indices."""
-    if not bench.clock.cuda:
-        print("chain_ab: skipped (no GPU)", flush=True)
-        return None
-    previous = os.environ.get(CHAIN_SWITCH)
+    (opted in): ``chain_ab`` lines and ``chain_over_per_tile`` (below 1: the chain is faster)."""
+    cases = [("nms", 20_000, "uniform"), ("nms", 100_000, "clustered"), ("nms", 1_000_000, "mixed4000")]
+    geomean = switch_ab(bench, "chain_ab", CHAIN_SWITCH, {"per_tile": "0", "chain": "1"}, cases)
+    if geomean is not None:
+        print(f"chain_over_per_tile={geomean:.3f} (below 1: the persistent chain is faster)", flush=True)
+    return geomean
 
-    def opted(value: str, boxes: torch.Tensor, scores: torch.Tensor) -> Fn:
-        def call() -> torch.Tensor:
-            os.environ[CHAIN_SWITCH] = value
-            return nms(boxes, scores, bench.args.iou)
 
-        return call
-
-    ratios = []
-    try:
-        for n, kind in ((20_000, "uniform"), (100_000, "clustered"), (1_000_000, "mixed4000")):
-            boxes_cpu, scores_cpu, _ = workload(kind, n, seed=n + 7)
-            boxes, scores = boxes_cpu.to(bench.clock.device), scores_cpu.to(bench.clock.device)
-            fns = {"per_tile": opted("0", boxes, scores), "chain": opted("1", boxes, scores)}
-            expected = nms(boxes_cpu, scores_cpu, bench.args.iou)
-            exact = all(torch.equal(fn().cpu(), expected) for fn in fns.values())
-            times = measure(bench.clock, fns, bench.args.warmup, bench.args.repeats, bench.args.row_budget)
-            ratios.append(times["chain"] / times["per_tile"])
-            print(
-                f"chain_ab nms {n} {kind}: per-tile {_fmt_ms(times['per_tile'])} ms, chain {_fmt_ms(times['chain'])}"
-                f" ms, chain/per-tile {ratios[-1]:.3f}, exact={'yes' if exact else 'NO'}",
-                flush=True,
-            )
-            if not exact:
-                bench.failures.append(f"chain_ab nms {n} {kind}: not the CPU kernel's indices")
-    finally:
-        if previous is None:
-            os.environ.pop(CHAIN_SWITCH, None)
-        else:
-            os.environ[CHAIN_SWITCH] = previous
-    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    print(f"chain_over_per_tile={geomean:.3f} (below 1: the persistent chain is faster)", flush=True)
+def small_ab(bench: Bench) -> float | None:
+    """The single launch (the default up to 4096 boxes) against the tiles (its limit set to 0) from 1k to 4k boxes,
+    where it has not been timed above 2k: ``small_ab`` lines and ``tiles_over_single`` (above 1: the single launch
+    is faster). A case where the tiles win says where its limit should be."""
+    cases = [(op, n, kind) for n in (1000, 2000, 3000, 4000) for kind in ("uniform", "mixed") for op in ("nms",)]
+    cases += [("batched_nms", 4000, "uniform")]
+    geomean = switch_ab(bench, "small_ab", SMALL_ROWS_SWITCH, {"single": "4096", "tiles": "0"}, cases)
+    if geomean is not None:
+        print(f"tiles_over_single={geomean:.3f} (above 1: the single launch is faster)", flush=True)
     return geomean
 
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_balanced.ops import batched_nms, batched_nms_reference, nms, nms_reference
+from lightning_balanced.ops import batched_nms, batched_nms_padded, batched_nms_reference, nms, nms_reference
 from tests.helpers import RunIf, raises_exactly
 from tests.ops.test_nms import HYPOTHESIS, _random_boxes
 
@@ -263,3 +263,33 @@ def test_launches_do_not_grow_with_n_above_the_single_launch_path() -> None:
     kind = steps[:, 0]
     assert int((kind != TORCH_OP).sum()) <= 6
     assert int((kind == CHAIN_KERNEL).sum()) == 1
+
+
+@RunIf(min_cuda_gpus=1)
+@pytest.mark.parametrize("small_rows", ["4096", "0", "1000", ""], ids=["single", "tiles", "limit_1000", "unset"])
+def test_on_a_gpu_the_single_launch_limit_is_read_at_each_call(
+    small_rows: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LIGHTNING_BALANCED_NMS_SMALL_ROWS moves the single launch's limit (0: always the tiles), for timing the two
+    paths against each other (bench_nms_cuda.py's small_ab lines); either way the CPU kernel's indices, nms,
+    batched_nms and the padded batch."""
+    monkeypatch.setenv("LIGHTNING_BALANCED_NMS_SMALL_ROWS", small_rows)
+    boxes, scores = _random_boxes(17, 3000, "mixed_sizes", torch.float32)
+    idxs = torch.arange(3000) * 7 % 5
+    assert torch.equal(nms(boxes.cuda(), scores.cuda(), 0.5).cpu(), nms(boxes, scores, 0.5))
+    on_gpu = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
+    assert torch.equal(on_gpu, batched_nms(boxes, scores, idxs, 0.5))
+    keep, num_kept = batched_nms_padded(boxes.view(3, 1000, 4).cuda(), scores.view(3, 1000).cuda(), None, 0.5, 100)
+    for b in range(3):
+        expected = nms(boxes.view(3, 1000, 4)[b], scores.view(3, 1000)[b], 0.5)[:100]
+        assert int(num_kept[b]) == expected.numel() and torch.equal(keep[b, : expected.numel()].cpu(), expected)
+
+
+@RunIf(min_cuda_gpus=1)
+@pytest.mark.parametrize("value", ["-1", "4097", "many", "12x"])
+def test_on_a_gpu_a_bad_single_launch_limit_is_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_BALANCED_NMS_SMALL_ROWS", value)
+    boxes, scores = _random_boxes(3, 10, "uniform", torch.float32)
+    message = f"LIGHTNING_BALANCED_NMS_SMALL_ROWS must be an integer in [0, 4096], got '{value}'"
+    with raises_exactly(ValueError, message):
+        nms(boxes.cuda(), scores.cuda(), 0.5)

@@ -53,6 +53,7 @@
 #include <cooperative_groups.h>
 #include <torch/library.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <optional>
 #include <tuple>
@@ -239,10 +240,27 @@ __global__ void __launch_bounds__(kRows) chain_kernel(ChainArgs<T> args) {
 // no stream operation). On one H200 in one run (torch 2.11, 2026-11-28, bench_nms_cuda.py's `chain_ab` lines) it
 // was exact but slower than the per-tile launches: 1.32x their time at 20k boxes, 1.30x at 100k, 1.50x at 1M. Its
 // one resident grid of 1024-thread CTAs (64 registers each, one CTA per SM) runs the propagation on half the warps
-// the separate launches get. So the per-tile launches are the default.
+// the separate launches get, and at 64 registers it spills (ptxas -v, CUDA 13, sm_90: a 248-byte stack frame, 400
+// bytes of spill stores and 804 of loads for float). So the per-tile launches are the default.
 bool chain_opted_in() {
   const char* value = std::getenv("LIGHTNING_BALANCED_NMS_CHAIN");
   return value != nullptr && value[0] == '1' && value[1] == '\0';
+}
+
+// The single-launch path's limit in boxes per image: LIGHTNING_BALANCED_NMS_SMALL_ROWS in the environment, an
+// integer in [0, 4096] (0: always the tiles), read at each call like the chain's switch; 4096 when unset or empty.
+// For timing the two paths against each other on one GPU (bench_nms_cuda.py's `small_ab` lines: the single
+// launch has not been timed between 2k and 4k boxes).
+int64_t small_rows_from_env() {
+  const char* value = std::getenv("LIGHTNING_BALANCED_NMS_SMALL_ROWS");
+  if (value == nullptr || value[0] == '\0') return kSmallMaxRows;
+  char* end = nullptr;
+  errno = 0;
+  const long long rows = std::strtoll(value, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && errno == 0 && rows >= 0 && rows <= kSmallMaxRows,
+                    "LIGHTNING_BALANCED_NMS_SMALL_ROWS must be an integer in [0, ", kSmallMaxRows, "], got '", value,
+                    "'");
+  return rows;
 }
 
 struct CudaLaunch {
@@ -334,7 +352,8 @@ at::Tensor cuda_tiled_nms(const char* op, const at::Tensor& boxes, const at::Ten
                           double iou_threshold, int64_t offset) {
   TORCH_CHECK_VALUE(boxes.is_cuda(), op, ": the CUDA kernel got tensors on ", boxes.device());
   c10::cuda::CUDAGuard device_guard(boxes.device());
-  return tiled_nms<CudaLaunch>(op, boxes, scores, classes, iou_threshold, offset, kTileRows, kPropagateWarps);
+  return tiled_nms<CudaLaunch>(op, boxes, scores, classes, iou_threshold, offset, kTileRows, kPropagateWarps,
+                               small_rows_from_env());
 }
 
 at::Tensor nms_cuda(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold, int64_t offset) {
@@ -368,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor> batched_nms_padded_cuda(const at::Tensor& box
                          offset,
                          /*padded=*/true,
                          max_output};
-  return padded_nms<CudaLaunch>(input, op, kTileRows, kPropagateWarps);
+  return padded_nms<CudaLaunch>(input, op, kTileRows, kPropagateWarps, small_rows_from_env());
 }
 
 }  // namespace
