@@ -207,19 +207,19 @@ LB_HOST_DEVICE int64_t small_shared_bytes(int64_t n, int64_t value_bytes, bool b
 // The shared arrays, carved out of one buffer in the order of small_shared_bytes (8-byte aligned).
 template <typename T>
 struct SmallShared {
-  uint64_t* suppressed;  // [64]: rows suppressed (or padding), by rank
-  uint64_t* kept;        // [64]: kept rows, block by block
-  uint64_t* cols;        // [64]: the current block's `cols`
-  uint64_t* cells;       // [kSmallCells]: the hashed grid of the current block's kept rows
-  uint64_t* levels;      // [2]: by block parity, the levels (cell_level) of the block's open rows, a bit each
-  uint64_t* big;         // [1]: the block's kept rows that span more than 3 x 3 cells, outside the grid
-  uint32_t* extent;      // [4]: min x1, min y1, max x2 + off, max y2 + off, as ordered_bits
-  uint32_t* deferred;    // [2]: the rows step 4 (d) deferred to (e) (may exceed kDeferredRows), spare
-  uint16_t* rows;        // [kDeferredRows]: those rows
-  T* boxes;              // [n, 4] by rank; before that, the sort's scores [S]
-  int64_t* classes;      // [n] by rank, or nullptr
-  int32_t* order;        // [S]: rank -> input index
-  int32_t* flags;        // [2]: a non-finite score, a non-finite coordinate
+  uint64_t* suppressed;     // [64]: rows suppressed (or padding), by rank
+  uint64_t* kept;           // [64]: kept rows, block by block
+  uint64_t* cols;           // [64]: the current block's `cols`
+  uint64_t* cells;          // [kSmallCells]: the hashed grid of the current block's kept rows
+  uint64_t* levels;         // [2]: by block parity, the levels (cell_level) of the block's open rows, a bit each
+  uint64_t* big;            // [1]: the block's kept rows that span more than 3 x 3 cells, outside the grid
+  uint32_t* extent;         // [4]: min x1, min y1, max x2 + off, max y2 + off, as ordered_bits
+  uint32_t* deferred;       // [2]: the rows step 4 (d) deferred to (e) (may exceed kDeferredRows), spare
+  uint16_t* deferred_rows;  // [kDeferredRows]: those rows
+  T* boxes;                 // [n, 4] by rank; before that, the sort's scores [S]
+  int64_t* classes;         // [n] by rank, or nullptr
+  int32_t* order;           // [S]: rank -> input index
+  int32_t* flags;           // [2]: a non-finite score, a non-finite coordinate
 };
 
 template <typename T>
@@ -233,7 +233,7 @@ LB_HOST_DEVICE SmallShared<T> small_shared(unsigned char* base, int64_t n, bool 
   s.big = s.levels + 2;
   s.extent = reinterpret_cast<uint32_t*>(s.big + 1);
   s.deferred = s.extent + 4;
-  s.rows = reinterpret_cast<uint16_t*>(s.deferred + 2);
+  s.deferred_rows = reinterpret_cast<uint16_t*>(s.deferred + 2);
   unsigned char* p = base + kSmallGridWords * 8;
   s.boxes = reinterpret_cast<T*>(p);
   p += round_up8(small_box_values(n) * static_cast<int64_t>(sizeof(T)));
@@ -442,7 +442,7 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
           LB_COST(1);
           const uint32_t slot = increment(s.deferred);
           if (slot < kDeferredRows) {
-            s.rows[slot] = static_cast<uint16_t>(r);
+            s.deferred_rows[slot] = static_cast<uint16_t>(r);
             continue;
           }
         }
@@ -464,7 +464,7 @@ LB_HOST_DEVICE void small_nms(const SmallArgs<T, scalar_t>& a, int64_t b, unsign
       for (int p = t; p < deferred * kWordBits; p += threads) {
         LB_COST(1);
         const int c = p % kWordBits;
-        const int64_t r = s.rows[p / kWordBits];
+        const int64_t r = s.deferred_rows[p / kWordBits];
         if (((kept >> c) & 1) != 0 && suppresses_row(first + c, r, area_of(s.boxes + 4 * r, a.off))) {
           or_word(&s.suppressed[r >> 6], uint64_t{1} << (r & 63));
         }
