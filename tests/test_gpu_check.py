@@ -85,14 +85,16 @@ def test_a_benchmark_passes_with_its_summary_line_and_the_note_quotes_it() -> No
     assert step.name == "bench_nms_cuda"
     tail = (
         "GOAL nms 1k: ...\ngoal_table: 4/6 rows pass\n"
+        "chain_over_per_tile=1.368 (below 1: the persistent chain is faster)\n"
+        "tiles_over_single=1.250 (above 1: the single launch is faster)\n"
         "mixed_1m_time_s=4.12345 mixed_1m_peak_gib=0.1300 (nms, float32, IoU 0.5)\n"
         "worst_ratio_vs_torchvision_cuda=6.618\n"
     )
     result = step.judge(_outcome(tail))
     assert result.status == gpu_check.PASSED
     assert result.note == (
-        "goal_table: 4/6 rows pass mixed_1m_time_s=4.12345 mixed_1m_peak_gib=0.1300 "
-        "worst_ratio_vs_torchvision_cuda=6.618"
+        "goal_table: 4/6 rows pass chain_over_per_tile=1.368 tiles_over_single=1.250 mixed_1m_time_s=4.12345 "
+        "mixed_1m_peak_gib=0.1300 worst_ratio_vs_torchvision_cuda=6.618"
     )
     assert step.judge(_outcome("padded: ...\n")).status == gpu_check.FAILED  # exit 0, but no summary (a skip)
     failed = step.judge(_outcome("FAILED: nms uniform float32 N=1000: ...\nworst_ratio_vs_torchvision_cuda=1\n", 1))

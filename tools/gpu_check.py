@@ -17,7 +17,8 @@ extension built). The steps, in order, each printed as it runs and copied to ``-
    pytest-timeout is installed. The tests run first: their tracebacks are what a short GPU loan is for;
 4. the CUDA benchmarks, each in a form that fits the rest of the budget: ``bench_nms_cuda`` (the goal table of issue
    #26: the CUDA NMS against torchvision's CUDA kernel and our CPU kernel from 1k to 1M boxes, and the padded batch
-   in a CUDA graph; its verdict ``goal_table: K/6 rows pass`` is quoted), ``bench_cuda --quick`` (balanced_dp
+   in a CUDA graph; its verdict ``goal_table: K/6 rows pass`` is quoted, with ``chain_over_per_tile`` and
+   ``tiles_over_single``, the A/B of the persistent chain and of the single launch), ``bench_cuda --quick`` (balanced_dp
    and gpipe on one GPU against one device) and ``bench_auto_split --device cuda --quick`` (``chunk_sizes="auto"``
    against the even split: the cost of profiling).
 
@@ -407,6 +408,8 @@ def plan_steps(args: argparse.Namespace) -> list[Step]:
                 limits["bench_nms_cuda"] if args.full else 60.0,
                 quote=(
                     r"^goal_table: \S+ rows pass",
+                    r"^chain_over_per_tile=\S+",
+                    r"^tiles_over_single=\S+",
                     r"^mixed_1m_time_s=\S+ mixed_1m_peak_gib=\S+",
                     r"^worst_ratio_vs_torchvision_cuda=\S+",
                 ),
