@@ -56,6 +56,24 @@ void in_thread_order(int64_t count, const F& thread) {
   }
 }
 
+// The threads 0 .. count - 1 one after another (in_thread_order); returns the most serial steps one ran.
+template <typename F>
+int64_t deepest(int64_t count, const F& thread) {
+  int64_t depth = 0;
+  in_thread_order(count, [&](int64_t i) {
+    serial_steps() = 0;
+    thread(i);
+    depth = std::max(depth, serial_steps());
+  });
+  return depth;
+}
+
+// One phase of a CTA (between two __syncthreads): its deepest thread, plus one step for the barrier.
+template <typename F>
+int64_t phase(int threads, const F& thread) {
+  return deepest(threads, [&](int64_t t) { thread(static_cast<int>(t)); }) + 1;
+}
+
 void record(StepKind kind, int64_t width, int64_t depth) {
   if (recorded_steps != nullptr) recorded_steps->insert(recorded_steps->end(), {kind, width, depth});
 }
@@ -90,13 +108,7 @@ struct HostCta {
   int64_t* depth;
   template <typename F>
   void each(const F& f) const {
-    int64_t deepest = 0;
-    in_thread_order(kThreads, [&](int64_t t) {
-      serial_steps() = 0;
-      f(static_cast<int>(t));
-      deepest = std::max(deepest, serial_steps());
-    });
-    *depth += deepest + 1;
+    *depth += phase(kThreads, f);
   }
   template <typename F>
   void warp0(uint64_t* out, const F& f) const {
@@ -230,24 +242,6 @@ struct HostLaunch {
       phase = 0;
     }
   };
-
-  // The threads 0 .. count - 1 one after another (in_thread_order); returns the most serial steps one ran.
-  template <typename F>
-  static int64_t deepest(int64_t count, const F& thread) {
-    int64_t depth = 0;
-    in_thread_order(count, [&](int64_t i) {
-      serial_steps() = 0;
-      thread(i);
-      depth = std::max(depth, serial_steps());
-    });
-    return depth;
-  }
-
-  // One phase of a CTA (between two __syncthreads): its deepest thread, plus one step for the barrier.
-  template <typename F>
-  static int64_t phase(int threads, const F& thread) {
-    return deepest(threads, [&](int64_t t) { thread(static_cast<int>(t)); }) + 1;
-  }
 };
 
 void check_schedule_sizes(const char* op, int64_t tile_rows, int64_t propagate_warps, int64_t small_rows,
