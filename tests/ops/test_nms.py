@@ -76,6 +76,15 @@ def _random_boxes(seed: int, n: int, layout: str, dtype: torch.dtype) -> tuple[t
     return boxes.to(dtype), scores.to(dtype)
 
 
+def _assert_the_gpu_keeps_the_cpu_kernels_indices(
+    boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor
+) -> None:
+    """nms and batched_nms (classes ``idxs``) on the GPU keep the CPU kernels' indices, IoU 0.5."""
+    assert torch.equal(nms(boxes.cuda(), scores.cuda(), 0.5).cpu(), nms(boxes, scores, 0.5))
+    on_gpu = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
+    assert torch.equal(on_gpu, batched_nms(boxes, scores, idxs, 0.5))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Kernels against the reference
 # --------------------------------------------------------------------------------------------------------------

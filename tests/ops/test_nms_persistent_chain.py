@@ -21,7 +21,7 @@ import torch
 
 from lightning_balanced.ops import batched_nms, batched_nms_reference, nms, nms_reference
 from tests.helpers import RunIf
-from tests.ops.test_nms import _random_boxes
+from tests.ops.test_nms import _assert_the_gpu_keeps_the_cpu_kernels_indices, _random_boxes
 
 pytestmark = RunIf(compiled_ops=True)
 
@@ -139,7 +139,4 @@ def test_on_a_gpu_both_paths_keep_the_cpu_kernels_indices(chain: str, monkeypatc
     persistent chain (read at each call)."""
     monkeypatch.setenv("LIGHTNING_BALANCED_NMS_CHAIN", chain)
     boxes, scores = _random_boxes(20_000, 20_000, "clustered", torch.float32)
-    idxs = torch.arange(20_000) * 7 % 3
-    assert torch.equal(nms(boxes.cuda(), scores.cuda(), 0.5).cpu(), nms(boxes, scores, 0.5))
-    on_gpu = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
-    assert torch.equal(on_gpu, batched_nms(boxes, scores, idxs, 0.5))
+    _assert_the_gpu_keeps_the_cpu_kernels_indices(boxes, scores, torch.arange(20_000) * 7 % 3)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from lightning_balanced.ops import batched_nms, batched_nms_padded, batched_nms_reference, nms, nms_reference
 from tests.helpers import RunIf, raises_exactly
-from tests.ops.test_nms import HYPOTHESIS, _random_boxes
+from tests.ops.test_nms import HYPOTHESIS, _assert_the_gpu_keeps_the_cpu_kernels_indices, _random_boxes
 
 pytestmark = RunIf(compiled_ops=True)
 
@@ -275,10 +275,7 @@ def test_on_a_gpu_the_single_launch_limit_is_read_at_each_call(
     batched_nms and the padded batch."""
     monkeypatch.setenv("LIGHTNING_BALANCED_NMS_SMALL_ROWS", small_rows)
     boxes, scores = _random_boxes(17, 3000, "mixed_sizes", torch.float32)
-    idxs = torch.arange(3000) * 7 % 5
-    assert torch.equal(nms(boxes.cuda(), scores.cuda(), 0.5).cpu(), nms(boxes, scores, 0.5))
-    on_gpu = batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), 0.5).cpu()
-    assert torch.equal(on_gpu, batched_nms(boxes, scores, idxs, 0.5))
+    _assert_the_gpu_keeps_the_cpu_kernels_indices(boxes, scores, torch.arange(3000) * 7 % 5)
     keep, num_kept = batched_nms_padded(boxes.view(3, 1000, 4).cuda(), scores.view(3, 1000).cuda(), None, 0.5, 100)
     for b in range(3):
         expected = nms(boxes.view(3, 1000, 4)[b], scores.view(3, 1000)[b], 0.5)[:100]
