@@ -125,11 +125,15 @@ class LRScaleFactorCheckOnLoad(_StrategyBase):
         """The checkpoint, with a warning when its learning rates carry an LR-scaling factor left unmanaged here.
 
         ``*args``/``**kwargs`` pass on what the installed Lightning's ``Strategy.load_checkpoint`` takes
-        (``weights_only`` from Lightning 2.6).
+        (``weights_only`` from Lightning 2.6). Without a Trainer attached to the module (the main process after a
+        spawned fit) the checkpoint is returned unchecked.
         """
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        if not any(isinstance(callback, LRScaleFactorCheck) for callback in trainer.callbacks):  # type: ignore[attr-defined]
+        # The main process of a spawned fit loads the workers' result into a module no Trainer holds any more (as
+        # DDPStrategy's does, this needs none): there is no resume to check.
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return checkpoint
+        if not any(isinstance(callback, LRScaleFactorCheck) for callback in trainer.callbacks):
             warn_if_lr_scale_factor_unmanaged(trainer, checkpoint)
         return checkpoint

@@ -8,6 +8,7 @@ The global batches, hence each optimizer step, do not depend on the number of ra
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from lightning_balanced.data_parallel.split_policy import SplitPolicy
 
-__all__ = ["RankShare", "ShareBatchSampler", "share_loader"]
+__all__ = ["RankShare", "ShareBatchSampler", "share_batch_sampler", "share_loader"]
 
 _SEQUENCE = itertools.count()  # orders the shares of every sampler: a step takes the oldest one pending
 
@@ -88,7 +89,10 @@ def share_loader(
     """A DataLoader that yields this rank's share of each of ``loader``'s (global) batches.
 
     The new loader keeps ``loader``'s dataset, workers, collate function and memory pinning; its batch sampler is a
-    :class:`ShareBatchSampler` over ``loader``'s. A ``DataLoader`` subclass comes back as a plain ``DataLoader``.
+    :class:`ShareBatchSampler` over ``loader``'s (inside Lightning's index tracking when ``loader``'s was: a
+    ``BasePredictionWriter`` gets this rank's sample indices of each share). Its ``sampler`` is the global one
+    (Lightning's ``DistributedSampler`` over one replica, or the loader's own): the order every rank walks, of the
+    whole dataset, not this rank's samples. A ``DataLoader`` subclass comes back as a plain ``DataLoader``.
 
     Raises:
         ValueError: ``loader`` is not a ``torch.utils.data.DataLoader``; its dataset is an ``IterableDataset`` (no
@@ -136,5 +140,38 @@ def share_loader(
         options["prefetch_factor"] = loader.prefetch_factor
     if getattr(loader, "pin_memory_device", ""):
         options["pin_memory_device"] = loader.pin_memory_device
-    batch_sampler = ShareBatchSampler(loader.batch_sampler, split, rank, world_size)
-    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **options)
+    shares = ShareBatchSampler(loader.batch_sampler, split, rank, world_size)
+    batch_sampler: Iterable[list[int]] = shares
+    if type(loader.batch_sampler).__name__ == "_IndexBatchSamplerWrapper":  # Lightning's, for prediction writers
+        batch_sampler = _index_tracking(type(loader.batch_sampler))(shares)
+    shared = DataLoader(loader.dataset, batch_sampler=batch_sampler, **options)
+    if shares.sampler is not None:
+        # `loader.sampler` is where users and Lightning's own tests look for the DistributedSampler; a DataLoader built
+        # from a batch sampler would say SequentialSampler (its placeholder, never iterated: the batch sampler's is).
+        object.__setattr__(shared, "sampler", shares.sampler)
+    return shared
+
+
+def share_batch_sampler(loader: Any) -> ShareBatchSampler | None:
+    """The :class:`ShareBatchSampler` of a DataLoader made by :func:`share_loader` (``None`` for any other)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    batch_sampler = getattr(batch_sampler, "_batch_sampler", batch_sampler)  # inside the index tracking
+    return batch_sampler if isinstance(batch_sampler, ShareBatchSampler) else None
+
+
+@functools.cache
+def _index_tracking(wrapper: type) -> type:
+    """Lightning's ``_IndexBatchSamplerWrapper`` (of ``lightning.pytorch`` or ``pytorch_lightning``) over shares.
+
+    The prediction loop hands a ``BasePredictionWriter`` the indices its batch sampler yielded. A share records the
+    rank's own sample indices instead: ``[]`` for a zero share, whose batch is cut to no samples after the loader
+    collated one for the structure.
+    """
+
+    class ShareIndexBatchSamplerWrapper(wrapper):  # type: ignore[misc]
+        def __next__(self) -> list[int]:
+            batch: list[int] = next(self._iterator)
+            self.seen_batch_indices.append(list(self._batch_sampler.pending[-1].indices))
+            return batch
+
+    return ShareIndexBatchSamplerWrapper

@@ -20,14 +20,13 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int
 from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
 from lightning_balanced.data_parallel.auto_split import memory_line
 from lightning_balanced.data_parallel.carried_exchange import CarriedExchange
-from lightning_balanced.data_parallel.rank_shares import RankShare, ShareBatchSampler, share_loader
+from lightning_balanced.data_parallel.rank_shares import RankShare, ShareBatchSampler, share_batch_sampler, share_loader
 from lightning_balanced.data_parallel.replica_context import ReplicaLogRecorder, combine_logs
 from lightning_balanced.data_parallel.scatter import infer_batch_size
 from lightning_balanced.data_parallel.split_policy import SplitPolicy, even_split, split_policy
@@ -338,7 +337,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
     def process_dataloader(self, dataloader: object) -> object:
         """``dataloader``, yielding this rank's share of each of its global batches (:func:`share_loader`)."""
         dataloader = super().process_dataloader(dataloader)
-        if isinstance(dataloader, DataLoader) and isinstance(dataloader.batch_sampler, ShareBatchSampler):
+        if share_batch_sampler(dataloader) is not None:
             return dataloader
         return share_loader(dataloader, self.split, self.global_rank, self.world_size)
 
@@ -364,11 +363,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         module = self.lightning_module
         assert module is not None
         loaders = _loaders(getattr(module.trainer, _STEP_LOADERS[step_name], None))
-        samplers: list[ShareBatchSampler] = [
-            loader.batch_sampler
-            for loader in loaders
-            if isinstance(getattr(loader, "batch_sampler", None), ShareBatchSampler)
-        ]
+        samplers = [sampler for sampler in map(share_batch_sampler, loaders) if sampler is not None]
         if step_name == "training_step" and len(samplers) > 1:
             raise ValueError(
                 f"strategy='balanced_ddp' splits one train DataLoader's global batches, got {len(samplers)}: combine"
@@ -413,6 +408,8 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         pieces = [(0, samples)] if cap is None or samples <= cap else _pieces(samples, cap)
         if training:
             self._largest_forward = max(size for _, size in pieces)
+            # Before the step runs: `manual_backward` in training_step and the last micro-batch's backward read it.
+            self._loss_weight = self._weight(pieces[-1][1], share.global_size)
         run = getattr(super(), step_name)
         recorders: list[ReplicaLogRecorder] = []
         output: Any = None
@@ -445,7 +442,6 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         for param, grad in zip(params, previous, strict=True):
             param.grad = grad
         if training:
-            self._loss_weight = self._weight(pieces[-1][1], share.global_size)
             self._report_plan(share)
         sizes = [size for _, size in pieces]
         calls = recorders[0].calls if len(recorders) == 1 else combine_logs(recorders, sizes, self.root_device)
