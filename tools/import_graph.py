@@ -25,6 +25,7 @@ LAYERS: list[list[str]] = [
     ["lightning_balanced.entry_points"],
     ["lightning_balanced.strategies"],
     ["lightning_balanced.batch_scaling"],
+    ["lightning_balanced.rank_shares"],
     ["lightning_balanced.gpipe", "lightning_balanced.pipelining"],
     ["lightning_balanced.pipeline"],
     ["lightning_balanced.data_parallel"],

@@ -23,8 +23,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from lightning_balanced import AutoSplit, BalancedDDPStrategy, ChunkSizes, DistributedEvalMixin, EvenSplit
-from lightning_balanced.data_parallel.rank_shares import ShareBatchSampler, share_loader
-from lightning_balanced.strategies.balanced_ddp import _MeasuredMicroBatch
+from lightning_balanced.rank_shares.loader import ShareBatchSampler, share_loader
+from lightning_balanced.rank_shares.engine import MeasuredMicroBatch
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 
@@ -359,7 +359,7 @@ def test_bad_arguments_name_what_was_expected() -> None:
 
 
 def test_a_measured_micro_batch_fills_ninety_percent_of_the_gpu_by_the_fitted_line() -> None:
-    measured = _MeasuredMicroBatch(capacity_bytes=10_000)
+    measured = MeasuredMicroBatch(capacity_bytes=10_000)
     assert measured.cap is None  # before the first step: the share runs whole
     measured.observe(8, 4_000)  # one size: conservatively 0 fixed + 500 per sample
     assert measured.cap == 18  # floor(9000 / 500)

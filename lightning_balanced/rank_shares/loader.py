@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 from lightning_balanced.data_parallel.split_policy import SplitPolicy
 
@@ -33,12 +33,23 @@ class RankShare:
         chunk_sizes (list[int]): the plan: samples per rank, summing to ``global_size``.
         indices (list[int]): this rank's sample indices (``chunk_sizes[rank]`` of them; ``[]`` for a zero share).
         sequence (int): when the share was cut, across all samplers of the process (the oldest is stepped first).
+        digest (int): a digest of the global batch's sample indices, in order (:func:`batch_digest`): the same on every
+            rank when the ranks walk the same global order.
     """
 
     global_size: int
     chunk_sizes: list[int]
     indices: list[int]
     sequence: int
+    digest: int = 0
+
+
+def batch_digest(indices: Sequence[int]) -> int:
+    """A digest of a global batch's sample indices, order included, below ``2**52`` (exact in a float64 exchange)."""
+    digest = len(indices)
+    for index in indices:
+        digest = (digest * 1_000_003 + int(index) + 1) % 4_503_599_627_370_449  # a prime below 2**52
+    return digest
 
 
 class ShareBatchSampler(Sampler[list[int]]):
@@ -76,7 +87,7 @@ class ShareBatchSampler(Sampler[list[int]]):
             plan = self.split.plan(len(indices), self.world_size)
             start = sum(plan[: self.rank])
             mine = indices[start : start + plan[self.rank]]
-            self.pending.append(RankShare(len(indices), plan, mine, next(_SEQUENCE)))
+            self.pending.append(RankShare(len(indices), plan, mine, next(_SEQUENCE), batch_digest(indices)))
             yield mine or indices[:1]
 
     def __len__(self) -> int:
@@ -84,9 +95,23 @@ class ShareBatchSampler(Sampler[list[int]]):
 
 
 def share_loader(
-    loader: Any, split: SplitPolicy, rank: int, world_size: int, *, strategy: str = "balanced_ddp"
+    loader: Any,
+    split: SplitPolicy,
+    rank: int,
+    world_size: int,
+    *,
+    strategy: str = "balanced_ddp",
+    seed: int | None = None,
 ) -> DataLoader[Any]:
     """A DataLoader that yields this rank's share of each of ``loader``'s (global) batches.
+
+    The global order is the loader's own: a ``SequentialSampler`` (``shuffle=False``) walks the dataset in order, so
+    global batch ``k`` is samples ``[k * B, (k + 1) * B)``, as in one process; a sampler of the user's own (a
+    ``WeightedRandomSampler``, a ``RandomSampler`` with a ``generator``, a batch sampler) is walked as it is, on every
+    rank, so it must give the same order on every rank (seeded alike). A ``RandomSampler`` without a ``generator``
+    (``shuffle=True``) would shuffle each rank alone: with ``seed`` it becomes Lightning's ``DistributedSampler`` over
+    one replica, shuffled with that seed and reshuffled each epoch (``set_epoch``), the order Lightning's DDP walks on
+    one process; without (``use_distributed_sampler=False``) it is refused.
 
     The new loader keeps ``loader``'s dataset, workers, collate function and memory pinning; its batch sampler is a
     :class:`ShareBatchSampler` over ``loader``'s (inside Lightning's index tracking when ``loader``'s was: a
@@ -117,7 +142,14 @@ def share_loader(
             " `batch_size`, the global batch size"
         )
     sampler = loader.sampler
-    if (isinstance(sampler, RandomSampler) and sampler.generator is None) or (
+    global_batches: Iterable[Sequence[int]] = loader.batch_sampler
+    unseeded = isinstance(sampler, RandomSampler) and sampler.generator is None and not sampler.replacement
+    if unseeded and seed is not None and type(loader.batch_sampler) is BatchSampler:
+        shuffled: DistributedSampler[Any] = DistributedSampler(
+            loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed
+        )
+        global_batches = BatchSampler(shuffled, loader.batch_sampler.batch_size, loader.batch_sampler.drop_last)
+    elif (isinstance(sampler, RandomSampler) and sampler.generator is None) or (
         isinstance(sampler, DistributedSampler) and sampler.num_replicas > 1
     ):
         raise ValueError(
@@ -140,10 +172,10 @@ def share_loader(
         options["prefetch_factor"] = loader.prefetch_factor
     if getattr(loader, "pin_memory_device", ""):
         options["pin_memory_device"] = loader.pin_memory_device
-    shares = ShareBatchSampler(loader.batch_sampler, split, rank, world_size)
+    shares = ShareBatchSampler(global_batches, split, rank, world_size)
     batch_sampler: Iterable[list[int]] = shares
     if type(loader.batch_sampler).__name__ == "_IndexBatchSamplerWrapper":  # Lightning's, for prediction writers
-        batch_sampler = _index_tracking(type(loader.batch_sampler))(shares)
+        batch_sampler = _index_tracking(type(loader.batch_sampler))(shares)  # type: ignore[arg-type]
     shared = DataLoader(loader.dataset, batch_sampler=batch_sampler, **options)
     if shares.sampler is not None:
         # `loader.sampler` is where users and Lightning's own tests look for the DistributedSampler; a DataLoader built
