@@ -20,6 +20,7 @@ from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
 from lightning_balanced.strategies import (
     BalancedDataParallelStrategy,
     BalancedDDPStrategy,
+    BalancedFSDPStrategy,
     GPipeStrategy,
     LRScaledDDPStrategy,
     LRScaledPipelineStrategy,
@@ -35,6 +36,7 @@ __all__ = [
     "AutoSplit",
     "BalancedDDPStrategy",
     "BalancedDataParallelStrategy",
+    "BalancedFSDPStrategy",
     "ChunkSizes",
     "DistributedEvalMixin",
     "EvenSplit",

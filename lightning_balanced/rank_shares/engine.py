@@ -187,6 +187,13 @@ class ShareEngine:
         self.loss_weight = 1.0
         #: Carries the exchange in the gradient all-reduce (DDP's communication hook); ``None``: its own all_reduce.
         self.carrier: CarriedExchange | None = None
+        #: Whether the step's own all_reduce may overlap the backward pass. Not where the backward's collectives run
+        #: on the same process group concurrently (FSDP2's reduce-scatters): gloo's worker threads could pair two
+        #: ranks' collectives in different orders.
+        self.overlap = True
+        #: Whether every rank runs the same number of micro-batches (FSDP2: each forward pass all-gathers the
+        #: parameters, a collective), some of them empty; else each rank as many as its own share needs (DDP).
+        self.equal_micro_batches = False
         #: A peak measured on the host for devices without CUDA's allocator statistics (``balanced_fsdp``).
         self.host_peak: Callable[[Callable[[], Any]], Any] | None = None
         self._host: ShareHost | None = None
@@ -343,9 +350,7 @@ class ShareEngine:
             peak = timer.last_peak()
             if self._measured_micro_batch is not None and peak is not None:
                 self._measured_micro_batch.observe(self._largest_forward, peak)
-        samples = len(share.indices)
-        cap = self._micro_batch_cap() if training else None
-        pieces = [(0, samples)] if cap is None or samples <= cap else _pieces(samples, cap)
+        pieces = self._pieces(share) if training else [(0, len(share.indices))]
         if training:
             self._largest_forward = max(size for _, size in pieces)
             self.loss_weight = self.weight(pieces[-1][1], share.global_size)
@@ -356,7 +361,7 @@ class ShareEngine:
         # Where a backward pass follows for sure (automatic optimization, a loss returned), the exchange is finished
         # in `backward`: carried in the gradient all-reduce when that backward synchronizes (no collective of its
         # own), else overlapped with it. Otherwise now.
-        overlapped = training and module.automatic_optimization and output is not None
+        overlapped = self.overlap and training and module.automatic_optimization and output is not None
         model = getattr(self.host, "model", None)
         if overlapped and self.carrier is not None and getattr(model, "require_backward_grad_sync", False):
             self.carrier.send(exchange.buffer)
@@ -444,12 +449,25 @@ class ShareEngine:
         world_size = self.host.world_size
         return float(world_size) if self.loss_reduction == "sum" else world_size * samples / global_size
 
-    def _micro_batch_cap(self) -> int | None:
+    def _micro_batch_cap(self, rank: int) -> int | None:
         cap = self.max_micro_batch
         if cap == "auto":
             measured = self._measured_micro_batch
             return None if measured is None else measured.cap
-        return cap[self.host.global_rank] if isinstance(cap, list) else cap
+        return cap[rank] if isinstance(cap, list) else cap
+
+    def _pieces(self, share: RankShare) -> list[tuple[int, int]]:
+        """``(start, size)`` of the micro-batches this rank runs of its share (one: the whole share)."""
+        samples = len(share.indices)
+        if not self.equal_micro_batches:
+            cap = self._micro_batch_cap(self.host.global_rank)
+            return [(0, samples)] if cap is None or samples <= cap else _pieces(samples, cap)
+        counts = []  # every rank's count, from the plan and the caps, which every rank knows
+        for rank, size in enumerate(share.chunk_sizes):
+            cap = self._micro_batch_cap(rank)
+            counts.append(1 if cap is None or size <= cap else -(-size // cap))
+        sizes = even_split(samples, max(counts))
+        return [(sum(sizes[:k]), size) for k, size in enumerate(sizes)]
 
     def _backward_micro_batch(
         self,

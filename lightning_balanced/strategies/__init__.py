@@ -7,6 +7,7 @@ registration does not read: a new strategy needs a line here only to have such a
 
 from lightning_balanced.strategies.balanced_ddp import BalancedDDPStrategy
 from lightning_balanced.strategies.balanced_dp import BalancedDataParallelStrategy
+from lightning_balanced.strategies.balanced_fsdp import BalancedFSDPStrategy
 from lightning_balanced.strategies.ddp_lr import LRScaledDDPStrategy
 from lightning_balanced.strategies.gpipe import GPipeStrategy
 from lightning_balanced.strategies.pipeline import PipelineStrategy
@@ -15,6 +16,7 @@ from lightning_balanced.strategies.pipeline_lr import LRScaledPipelineStrategy
 __all__ = [
     "BalancedDDPStrategy",
     "BalancedDataParallelStrategy",
+    "BalancedFSDPStrategy",
     "GPipeStrategy",
     "LRScaledDDPStrategy",
     "LRScaledPipelineStrategy",

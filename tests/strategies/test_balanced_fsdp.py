@@ -1,0 +1,245 @@
+"""strategy="balanced_fsdp": a model sharded with FSDP2, one global batch split unevenly over real gloo CPU ranks,
+against one process (a plain single-device Trainer on the same loader, ``shuffle=False``: the dataset's order).
+
+float64: the runs differ only in how the ranks' weighted gradients are summed by the reduce-scatter (~1e-16
+relative), so 1e-12 after a few steps of SGD with momentum or Adam is wide, while an unweighted mean over uneven
+shares or a lost sample is off by 1e-3 and more.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_balanced import BalancedFSDPStrategy
+from lightning_balanced.strategies.balanced_fsdp import FSDP2_CPU_TORCH, FSDP2_TORCH, _torch_version
+from tests.distributed import run_distributed
+from tests.helpers import quiet_trainer, raises_exactly
+
+EXACT = {"rtol": 0, "atol": 1e-12}
+SAMPLES = 24
+CPU_FSDP2 = pytest.mark.skipif(
+    _torch_version() < FSDP2_CPU_TORCH, reason=f"FSDP2 on CPU ranks needs torch >= {FSDP2_CPU_TORCH}"
+)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class Regressor(pl.LightningModule):
+    """Two sharded blocks, a head and a parameter outside the blocks (sharded with the root)."""
+
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(nn.Linear(5, 8), Block(8), Block(8), nn.Linear(8, 3)).double()
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        self.optimizer = optimizer
+        self.val_losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x) * self.scale
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class ShardedInConfigureModel(Regressor):
+    """Shards itself, as under Lightning's ModelParallelStrategy."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            if isinstance(block, Block):
+                fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def _data(n: int = SAMPLES) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(
+        torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 3, generator=g, dtype=torch.float64)
+    )
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) parameters, on every rank."""
+    state = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        state[name] = full.detach().clone()
+    return state
+
+
+_RUNS: list[dict[str, Any]] = [
+    {"strategy": {"chunk_sizes": [3, 5]}},
+    {"strategy": {"chunk_sizes": [0, 8]}, "optimizer": "adam"},  # a rank with no samples, every step
+    {"strategy": {"chunk_sizes": [1, 7]}, "trainer": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}},
+    {"strategy": {"chunk_sizes": [2, 6], "max_micro_batch": 4}, "optimizer": "adam"},
+    {"strategy": {"chunk_sizes": [5, 3]}, "configure_model": True},
+]
+
+
+def _fit(strategy: Any, devices: int, run: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
+    model_class = ShardedInConfigureModel if run.get("configure_model") else Regressor
+    model = model_class(run.get("optimizer", "sgd"))
+    options = {"max_steps": 3, **run.get("trainer", {})}
+    trainer = quiet_trainer(strategy, devices, **options)
+    trainer.fit(model, DataLoader(_data(), batch_size=8), ckpt_path=checkpoint)
+    return {"state": _full_state(model), "train_loss": float(trainer.callback_metrics["train_loss"])}
+
+
+def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    results = []
+    for run in runs:
+        shard = () if run.get("configure_model") else (Block,)
+        results.append(_fit(BalancedFSDPStrategy(shard_modules=shard, **run["strategy"]), world_size, run))
+    return results
+
+
+def _assert_trained_as(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    for name, value in reference["state"].items():
+        torch.testing.assert_close(result["state"][name], value, **EXACT, msg=lambda m, n=name: f"{n}: {m}")
+    assert result["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-12)
+
+
+@CPU_FSDP2
+@pytest.mark.slow
+def test_uneven_shares_train_as_one_process_on_the_global_batch() -> None:
+    ranks = run_distributed(_fit_rank, 2, _RUNS, timeout_s=600)
+    for index, run in enumerate(_RUNS):
+        reference = _fit("auto", 1, {k: v for k, v in run.items() if k != "configure_model"})
+        for rank in ranks:
+            _assert_trained_as(rank[index], reference)
+
+
+def _resume_rank(rank: int, world_size: int, checkpoint: str, resume: bool, chunk_sizes: list[int]) -> Any:
+    model = Regressor("adam")
+    trainer = quiet_trainer(
+        BalancedFSDPStrategy(chunk_sizes=chunk_sizes, shard_modules=(Block,)), world_size, max_epochs=2 if resume else 1
+    )
+    trainer.fit(model, DataLoader(_data(), batch_size=8), ckpt_path=checkpoint if resume else None)
+    if not resume:
+        trainer.save_checkpoint(checkpoint)  # sharded: a folder written by torch.distributed.checkpoint
+    return _full_state(model)
+
+
+@CPU_FSDP2
+@pytest.mark.slow
+def test_a_sharded_checkpoint_from_two_ranks_resumes_on_three_as_one_uninterrupted_process(tmp_path: Path) -> None:
+    checkpoint = str(tmp_path / "two_ranks.ckpt")
+    run_distributed(_resume_rank, 2, checkpoint, False, [5, 3], timeout_s=300)
+    assert (tmp_path / "two_ranks.ckpt").is_dir()
+    resumed = run_distributed(_resume_rank, 3, checkpoint, True, [2, 0, 6], timeout_s=300)
+    reference = _fit("auto", 1, {"optimizer": "adam", "trainer": {"max_epochs": 2, "max_steps": -1}})
+    for state in resumed:
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(state[name], value, **EXACT, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _error_rank(rank: int, world_size: int, cases: list[str]) -> list[str]:
+    messages = []
+    for case in cases:
+        model: pl.LightningModule = Regressor()
+        strategy = BalancedFSDPStrategy(shard_modules=(Block,))
+        if case == "unsharded":
+            strategy = BalancedFSDPStrategy()
+        if case == "batchnorm":
+            model.blocks.append(nn.BatchNorm1d(3).double())
+        if case == "shares":
+            strategy = BalancedFSDPStrategy(chunk_sizes=[1, 2, 5], shard_modules=(Block,))
+        if case == "capacities":
+            strategy = BalancedFSDPStrategy(chunk_sizes="auto", capacities=[10**9], shard_modules=(Block,))
+        if case == "data_parallel_size":
+            strategy = BalancedFSDPStrategy(data_parallel_size=3, shard_modules=(Block,))
+        try:
+            quiet_trainer(strategy, world_size, max_steps=1).fit(model, DataLoader(_data(), batch_size=8))
+            messages.append("trained")
+        except Exception as error:
+            messages.append(f"{type(error).__name__}: {error}")
+    return messages
+
+
+@CPU_FSDP2
+@pytest.mark.slow
+def test_bad_setups_are_named_on_every_rank_before_a_step() -> None:
+    cases = {
+        "unsharded": (
+            "ValueError: strategy='balanced_fsdp' found no module sharded with FSDP2 in Regressor: apply"
+            " `fully_shard(..., mesh=self.device_mesh['data_parallel'])` in the LightningModule's `configure_model`,"
+            " or pass `BalancedFSDPStrategy(shard_modules=(YourBlock,))`"
+        ),
+        "batchnorm": (
+            "ValueError: strategy='balanced_fsdp' cannot give the step of one process on the global batch with"
+            " BatchNorm layers (blocks.4): each rank would normalize its own share; use strategy='balanced_ddp'"
+            " (synchronized BatchNorm over uneven shares), or a normalization over features (LayerNorm, GroupNorm)"
+        ),
+        "shares": "ValueError: `chunk_sizes` needs one entry per device (2), got 3: [1, 2, 5]",
+        "capacities": "ValueError: `capacities` needs one entry per rank (2), got 1: [1000000000]",
+        "data_parallel_size": (
+            "ValueError: strategy='balanced_fsdp' shards over every rank: `data_parallel_size` must be the world size"
+            " (2) or 'auto', got 3"
+        ),
+    }
+    results = run_distributed(_error_rank, 2, list(cases), timeout_s=300)
+    for index, (case, message) in enumerate(cases.items()):
+        assert [results[rank][index] for rank in range(2)] == [message] * 2, case
+
+
+def test_bad_arguments_name_what_was_expected() -> None:
+    if _torch_version() < FSDP2_TORCH:
+        with raises_exactly(
+            ImportError,
+            f"strategy='balanced_fsdp' needs torch >= 2.6 (FSDP2's public `torch.distributed.fsdp.fully_shard`),"
+            f" found {torch.__version__}: upgrade torch, or use strategy='balanced_ddp' for a model that fits on"
+            " every device",
+        ):
+            BalancedFSDPStrategy()
+        return
+    with raises_exactly(
+        ValueError,
+        "strategy='balanced_fsdp' plans one share per rank of the data-parallel group: `tensor_parallel_size` must"
+        " be 1, got 2 (a tensor-parallel group would have to take one share)",
+    ):
+        BalancedFSDPStrategy(tensor_parallel_size=2)
+    with raises_exactly(ValueError, "`capacities[1]` must be >= 1, got 0"):
+        BalancedFSDPStrategy(capacities=[10, 0])
+    with raises_exactly(TypeError, "`shard_modules[0]` must be an nn.Module subclass, got 'Block'"):
+        BalancedFSDPStrategy(shard_modules=("Block",))  # type: ignore[arg-type]
+    with raises_exactly(ValueError, "`loss_reduction` must be 'mean' or 'sum', got 'max'"):
+        BalancedFSDPStrategy(loss_reduction="max")  # type: ignore[arg-type]
+
+
+def test_registered_name() -> None:
+    if _torch_version() < FSDP2_TORCH:
+        pytest.skip(f"FSDP2 needs torch >= {FSDP2_TORCH}")
+    trainer = quiet_trainer("balanced_fsdp", 2, max_steps=1)
+    assert isinstance(trainer.strategy, BalancedFSDPStrategy)
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
