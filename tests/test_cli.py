@@ -140,7 +140,7 @@ def test_a_misspelt_strategy_name_is_refused_in_one_line_with_the_closest_names(
     message = str(info.value)
     assert message.startswith(
         "lightning-balanced: error: unknown strategy 'balanced-dp'. Did you mean 'balanced_dp' or 'balanced_ddp' or"
-        " 'balanced_ddp_fork'? Registered names: "
+        " 'balanced_fsdp'? Registered names: "
     )
     assert "\n" not in message and ", pipeline, " in message
 

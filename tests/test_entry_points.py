@@ -150,8 +150,9 @@ def test_import_registers_our_strategies_in_both_registries() -> None:
     standalone_registry = pytest.importorskip("pytorch_lightning.strategies").StrategyRegistry
     from lightning_balanced.strategies import pytorch_lightning_compat
 
-    # gpipe and the pipelines have no standalone variant (README); every other name is registered in both, alike.
-    own_code = {"gpipe", "pipeline", "pipeline_lr_linear", "pipeline_lr_sqrt"}
+    # gpipe, the pipelines and balanced_fsdp have no standalone variant (README); every other name is registered in
+    # both, alike.
+    own_code = {"gpipe", "pipeline", "pipeline_lr_linear", "pipeline_lr_sqrt", "balanced_fsdp"}
     for name in own_code:
         assert name in ours and name not in standalone_registry
     for name in set(ours) - own_code:

@@ -10,6 +10,7 @@ synchronization, and the base class's (unweighted) backward.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -63,6 +64,13 @@ class ShareHost(Protocol):
 def observes(policy: SplitPolicy) -> bool:
     """Whether ``policy`` learns from the steps (overrides ``observe``): only then are the steps timed."""
     return type(policy).observe is not SplitPolicy.observe
+
+
+def _takes_peaks(policy: SplitPolicy) -> bool:
+    """Whether ``policy.observe`` takes the third argument, ``peak_bytes`` (a policy may leave it out)."""
+    parameters = inspect.signature(policy.observe).parameters.values()
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
 def check_max_micro_batch(
@@ -221,6 +229,10 @@ class ShareEngine:
         return observes(self.split)
 
     # ---- setup -------------------------------------------------------------------------------------------------------
+    def bind(self, host: ShareHost) -> None:
+        """The strategy whose ranks the engine splits over (its world size and rank are read when needed)."""
+        self._host = host
+
     def attach(
         self,
         host: ShareHost,
@@ -588,7 +600,10 @@ class ShareEngine:
         times = reading.seconds
         if self.observes:
             peaks = reading.peak_bytes
-            self.split.observe(list(exchange.timed_plan), times, None if None in peaks else peaks)
+            if _takes_peaks(self.split):
+                self.split.observe(list(exchange.timed_plan), times, None if None in peaks else peaks)
+            else:  # a policy written for balanced_dp's devices with a two-argument `observe`
+                self.split.observe(list(exchange.timed_plan), times)
         # Only on the steps whose logs reach the loggers (every `log_every_n_steps`): a `self.log` call costs about
         # 0.4 ms, and 3 per rank every step cost 20 % of a small step (measured by benchmarks/bench_balanced_ddp.py).
         if exchange.logs:

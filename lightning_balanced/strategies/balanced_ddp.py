@@ -79,6 +79,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         self.shares = ShareEngine(
             "balanced_ddp", gpu0_bsz, chunk_sizes, weights, split, loss_reduction, max_micro_batch, log_shares
         )
+        self.shares.bind(self)
         self.sync_batchnorm = check_bool("sync_batchnorm", sync_batchnorm)
 
     @property
@@ -109,6 +110,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
     # ---- setup -----------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self.shares.take_over_sampling(trainer)  # before `configure_optimizers` may read `estimated_stepping_batches`
         # As ddp_lr: the accelerator connector sets `_layer_sync` after __init__, and torch's SyncBatchNorm refuses
         # CPU tensors: ours on CPU, torch's on CUDA, both over uneven per-rank counts.
         layer_sync = importlib.import_module(f"{self._lightning_package}.plugins.layer_sync")
@@ -131,7 +133,6 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
             batchnorm=any(isinstance(m, _BatchNorm) for m in self.model.modules()),
         )
         super().setup(trainer)
-        self.shares.take_over_sampling(trainer)
         observes_gpus = self.shares.observes and self.root_device.type == "cuda"
         self.shares.attach(
             self,

@@ -173,6 +173,7 @@ class BalancedFSDPStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, ModelPa
         self.shares = ShareEngine(
             "balanced_fsdp", gpu0_bsz, chunk_sizes, weights, split, loss_reduction, max_micro_batch, log_shares
         )
+        self.shares.bind(self)
         self.shares.overlap = False  # FSDP2's reduce-scatters share the process group with the step's exchange
         self.shares.equal_micro_batches = True  # each forward pass all-gathers the parameters on every rank
         if max_micro_batch == "auto":
@@ -215,6 +216,7 @@ class BalancedFSDPStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, ModelPa
         """As ``ModelParallelStrategy.setup``, with ``shard_modules`` applied and the share engine attached."""
         assert self.model is not None and self.accelerator is not None
         self._check_setup(trainer)
+        self.shares.take_over_sampling(trainer)  # before `configure_optimizers` may read `estimated_stepping_batches`
         fsdp = _fsdp2()
         if self.shard_modules and not any(isinstance(m, fsdp.FSDPModule) for m in self.model.modules()):
             mesh = self.device_mesh["data_parallel"]
@@ -238,7 +240,6 @@ class BalancedFSDPStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, ModelPa
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self.shares.take_over_sampling(trainer)
         self.shares.host_peak = None if self.root_device.type == "cuda" else self._host_peak
         self.shares.attach(
             self,

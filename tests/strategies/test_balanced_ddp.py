@@ -23,8 +23,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from lightning_balanced import AutoSplit, BalancedDDPStrategy, ChunkSizes, DistributedEvalMixin, EvenSplit
-from lightning_balanced.rank_shares.loader import ShareBatchSampler, share_loader
 from lightning_balanced.rank_shares.engine import MeasuredMicroBatch
+from lightning_balanced.rank_shares.loader import ShareBatchSampler, share_loader
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 
@@ -375,3 +375,14 @@ def test_registered_names_and_launches() -> None:
     assert trainer.strategy._start_method == "spawn"
     assert trainer.strategy.data_parallel_size == 1
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+
+
+def test_a_policy_with_a_two_argument_observe_is_told_chunk_sizes_and_seconds_only() -> None:
+    from lightning_balanced.rank_shares.engine import _takes_peaks
+
+    class TwoArguments(EvenSplit):  # a policy written for balanced_dp's devices
+        def observe(self, chunk_sizes: list[int], seconds: list[float]) -> None:  # type: ignore[override]
+            pass
+
+    assert not _takes_peaks(TwoArguments())
+    assert _takes_peaks(AutoSplit())

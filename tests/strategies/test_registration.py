@@ -61,6 +61,7 @@ def test_the_strategies_are_the_entry_points_of_pyproject_in_order() -> None:
     assert [c.__name__ for c in strategy_classes()] == [
         "BalancedDDPStrategy",
         "BalancedDataParallelStrategy",
+        "BalancedFSDPStrategy",
         "LRScaledDDPStrategy",
         "GPipeStrategy",
         "PipelineStrategy",

@@ -37,7 +37,7 @@ def test_a_registered_name_with_an_argument_of_its_strategy_names_the_class() ->
         (  # another strategy with an argument of ours: the classes that take it
             {"strategy": "ddp", "gpu0_bsz": 4},
             "Trainer got `gpu0_bsz`, which is not an argument of the Trainer but of the strategy BalancedDDPStrategy"
-            " or BalancedDataParallelStrategy: pass it to the strategy's class,"
+            " or BalancedDataParallelStrategy or BalancedFSDPStrategy: pass it to the strategy's class,"
             " Trainer(strategy=BalancedDDPStrategy(gpu0_bsz=...)), with `from lightning_balanced import"
             " BalancedDDPStrategy`",
         ),
