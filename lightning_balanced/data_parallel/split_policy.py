@@ -119,6 +119,14 @@ class SplitPolicy(ABC):
         gathered outputs; replicas that share a GPU see its peak), on a virtual CPU device the replica's parameters
         and buffers plus the activations its step method saved for backward. The strategy times the steps only for
         a policy that overrides this method: the others cost nothing.
+
+        Over ranks (``balanced_ddp``, ``balanced_fsdp``) the same contract holds with "device" read as "rank": one
+        entry per rank, the same lists on every rank (they travel in the step's all_reduce, so every rank's policy
+        sees the same numbers and plans alike); ``seconds[r]`` is rank ``r``'s step method (host clock on the CPU,
+        CUDA events on a GPU), and ``peak_bytes[r]`` its ``torch.cuda.max_memory_allocated`` over its whole training
+        step on a GPU, under ``balanced_fsdp`` with ``capacities`` its fixed bytes (its shards of the state and the
+        largest block unsharded) plus the bytes its forward pass saved for backward, else ``None``. A policy may
+        define ``observe(chunk_sizes, seconds)`` without ``peak_bytes``: it is then called with two arguments.
         """
 
     def plan(self, batch_size: int, num_devices: int) -> list[int]:

@@ -9,6 +9,8 @@ The list (the closing note of issue 51 keeps it with what each check found):
 * ``trainer.train_dataloader.sampler``: the global ``DistributedSampler`` (one replica), as ``"ddp"`` users read it;
 * ``trainer.estimated_stepping_batches``: the global batches' count, as one process counts it;
 * ``self.log(..., sync_dist=True)``: the global batch's value;
+* the loader's own order: ``shuffle=False`` and a seeded sampler of the user's own walked as one process walks them,
+  and a sampler that differs between the ranks named before the first optimizer step;
 * the launchers (``balanced_ddp``: Lightning's subprocess launcher; ``balanced_ddp_spawn``: the main process gets the
   trained weights back, and loads the best checkpoint after the fit): ``tests/scripts/balanced_ddp_job.py``.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +35,7 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset, WeightedRandomSampler
 
 from lightning_balanced import BalancedDDPStrategy, ChunkSizes, SplitPolicy
 from tests.distributed import run_distributed
@@ -169,6 +172,68 @@ def test_manual_optimization_takes_one_process_step_from_the_first_step_on() -> 
             assert result["estimated_stepping_batches"] == reference["estimated_stepping_batches"]
             # where "ddp" users look for the DistributedSampler
             assert result["sampler"] == ("DistributedSampler", 1, True, 0)
+
+
+# ---- the order the user asked for ------------------------------------------------------------------------------------
+class Regressor(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _ordered_loader(case: str, rank: int) -> DataLoader[Any]:
+    """``shuffle=False``, a seeded ``WeightedRandomSampler`` of the user's own, or a sampler seeded by rank."""
+    data = _data()
+    if case == "sequential":
+        return DataLoader(data, batch_size=8)
+    if case == "weighted":
+        weights = torch.linspace(0.1, 1.0, SAMPLES, dtype=torch.float64)
+        generator = torch.Generator().manual_seed(3)
+        return DataLoader(data, batch_size=8, sampler=WeightedRandomSampler(weights, SAMPLES, generator=generator))
+    return DataLoader(data, batch_size=8, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(rank)))
+
+
+def _ordered_fit(strategy: Any, world_size: int, case: str, rank: int = 0) -> Any:
+    model = Regressor()
+    quiet_trainer(strategy, world_size, max_epochs=2).fit(model, _ordered_loader(case, rank))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _order_rank(rank: int, world_size: int, cases: list[str]) -> list[Any]:
+    results = []
+    for case in cases:
+        try:
+            results.append(_ordered_fit(BalancedDDPStrategy(chunk_sizes=[3, 5]), world_size, case, rank))
+        except RuntimeError as error:
+            results.append(str(error))
+    return results
+
+
+@pytest.mark.slow
+def test_the_loaders_own_order_is_walked_as_one_process_walks_it() -> None:
+    cases = ["sequential", "weighted", "seeded_by_rank"]
+    ranks = run_distributed(_order_rank, 2, cases, timeout_s=300)
+    for index, case in enumerate(cases[:2]):
+        reference = _ordered_fit("auto", 1, case)
+        for rank in ranks:
+            for name, value in reference.items():
+                torch.testing.assert_close(rank[index][name], value, **EXACT, msg=lambda m, c=case: f"{c}: {m}")
+    for rank, results in enumerate(ranks):  # each rank shuffled by its own seed: named before the first step
+        result = results[2]
+        assert re.fullmatch(
+            r"strategy='balanced_ddp': the ranks walked different global batches \(digests \[\d+, \d+\] of their"
+            rf" sample indices, rank {rank}'s view\): every rank must walk the same global order\. A sampler of your"
+            r" own must give the same order on every rank \(seed its `generator` alike on every rank\)",
+            result,
+        ), result
 
 
 # ---- prediction writers ----------------------------------------------------------------------------------------------
