@@ -214,6 +214,7 @@ class ShareEngine:
         self._pending: _Exchange | None = None
         self._measured_micro_batch: MeasuredMicroBatch | None = None
         self._largest_forward = 0
+        self._rank_caps: list[int | None] | None = None  # every rank's measured cap, from the last exchange
         self._seed: int | None = None
 
     @property
@@ -251,7 +252,7 @@ class ShareEngine:
         self._host, self._no_sync, self._backward = host, no_sync, backward
         self._timer = StepTimer(host.root_device)
         self._timed_plan, self._pending, self._micro_batch_grads = None, None, []
-        self._measured_micro_batch, self._largest_forward = None, 0
+        self._measured_micro_batch, self._largest_forward, self._rank_caps = None, 0, None
         if self.max_micro_batch == "auto":
             if host.root_device.type == "cuda":
                 memory = torch.cuda.get_device_properties(host.root_device).total_memory
@@ -463,6 +464,8 @@ class ShareEngine:
 
     def _micro_batch_cap(self, rank: int) -> int | None:
         cap = self.max_micro_batch
+        if cap == "auto" and self.equal_micro_batches:  # the ranks' caps as the last exchange gave them to every rank
+            return None if self._rank_caps is None else self._rank_caps[rank]
         if cap == "auto":
             measured = self._measured_micro_batch
             return None if measured is None else measured.cap
@@ -557,6 +560,8 @@ class ShareEngine:
         buffer = layout.new_buffer(host.root_device)
         layout.set(buffer, "samples", rank, samples)
         layout.set(buffer, "batch_digest", rank, share.digest)
+        measured = self._measured_micro_batch
+        layout.set(buffer, "micro_batch_cap", rank, 0 if measured is None else measured.cap or 0)
         # Times only where they are used (each rank decides alike): reading them waits for the device on CUDA.
         logs = self.log_shares and getattr(module.trainer._logger_connector, "should_update_logs", True)
         wanted = training and self._timer is not None and (self.observes or logs)
@@ -592,6 +597,7 @@ class ShareEngine:
                 buffer = carried
         reading = exchange.layout.read(buffer)
         self._check_agreement(reading.samples, reading.batch_digest, share)
+        self._rank_caps = reading.micro_batch_cap
         values = exchange.layout.value_slots(buffer)
         for k, (name, options) in enumerate(exchange.logged):
             module.log(name, values[k], **{**options, "batch_size": share.global_size, "sync_dist": False})

@@ -26,12 +26,14 @@ class ExchangeReading:
         peak_bytes (list[int | None]): each rank's peak memory of that step, in bytes (``None``: not measured).
         batch_digest (list[int]): each rank's digest of the global batch's sample indices (the same on every rank when
             the ranks walk the same global order).
+        micro_batch_cap (list[int | None]): each rank's measured ``max_micro_batch="auto"`` cap (``None``: none).
     """
 
     samples: list[int]
     seconds: list[float]
     peak_bytes: list[int | None]
     batch_digest: list[int]
+    micro_batch_cap: list[int | None]
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class ExchangeLayout:
     """
 
     #: The per-rank fields, in buffer order.
-    FIELDS: ClassVar[tuple[str, ...]] = ("samples", "seconds", "peak_bytes", "batch_digest")
+    FIELDS: ClassVar[tuple[str, ...]] = ("samples", "seconds", "peak_bytes", "batch_digest", "micro_batch_cap")
 
     world_size: int
     values: int
@@ -70,4 +72,5 @@ class ExchangeLayout:
             seconds=[float(s) for s in fields["seconds"]],
             peak_bytes=[None if b < 0 else int(b) for b in fields["peak_bytes"]],
             batch_digest=[int(d) for d in fields["batch_digest"]],
+            micro_batch_cap=[int(c) or None for c in fields["micro_batch_cap"]],
         )

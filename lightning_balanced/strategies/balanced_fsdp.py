@@ -80,10 +80,12 @@ class BalancedFSDPStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, ModelPa
         gpu0_bsz, chunk_sizes, weights, split: the split policy over the ranks, as ``BalancedDDPStrategy``'s
             (``chunk_sizes="auto"``: measured speeds, and memory: see ``capacities``).
         loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` (weighted by share) or ``"sum"``.
-        max_micro_batch: the most samples a rank runs in one forward pass (an int, or one per rank); every rank runs
-            as many micro-batches as the rank that needs most (each forward pass all-gathers the parameters), its own
-            share split evenly over them; all but the last run with FSDP2's gradient synchronization off
-            (``set_requires_gradient_sync(False)``), each weighted by its samples, so the step is the same.
+        max_micro_batch: the most samples a rank runs in one forward pass (an int, one per rank, or ``"auto"``: on
+            CUDA each rank's cap measured from its peak memory as under ``balanced_ddp``, exchanged in the step's
+            all_reduce and used from the next step on); every rank runs as many micro-batches as the rank that needs
+            most (each forward pass all-gathers the parameters), its own share split evenly over them; all but the
+            last run with FSDP2's gradient synchronization off (``set_requires_gradient_sync(False)``), each weighted
+            by its samples, so the step is the same.
         capacities: each rank's memory in bytes, for ``chunk_sizes="auto"`` on devices without CUDA's allocator
             statistics; the plan then gives no rank more samples than its fixed bytes (its shard of the parameters,
             gradients and optimizer state, and the largest sharded block unsharded) plus the bytes its step saved for
@@ -176,11 +178,6 @@ class BalancedFSDPStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, ModelPa
         self.shares.bind(self)
         self.shares.overlap = False  # FSDP2's reduce-scatters share the process group with the step's exchange
         self.shares.equal_micro_batches = True  # each forward pass all-gathers the parameters on every rank
-        if max_micro_batch == "auto":
-            raise ValueError(
-                "strategy='balanced_fsdp' needs every rank to run the same number of micro-batches (each forward"
-                " pass all-gathers the parameters): `max_micro_batch` must be an int or one per rank, not 'auto'"
-            )
 
     @property
     def split(self) -> SplitPolicy:

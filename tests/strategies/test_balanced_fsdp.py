@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +21,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import AutoSplit, BalancedFSDPStrategy, DistributedEvalMixin
+from lightning_balanced.rank_shares.engine import ShareEngine
+from lightning_balanced.rank_shares.loader import RankShare
 from lightning_balanced.strategies.balanced_fsdp import FSDP2_CPU_TORCH, FSDP2_TORCH, _torch_version
 from tests.distributed import run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
@@ -122,6 +125,7 @@ _RUNS: list[dict[str, Any]] = [
     {"strategy": {"chunk_sizes": [1, 7]}, "trainer": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}},
     {"strategy": {"chunk_sizes": [2, 6], "max_micro_batch": 4}, "optimizer": "adam"},
     {"strategy": {"chunk_sizes": [5, 3]}, "model": "configure_model"},
+    {"strategy": {"chunk_sizes": [3, 5], "max_micro_batch": "auto"}},  # no cap measured on CPU ranks: whole shares
 ]
 
 
@@ -333,3 +337,14 @@ def test_registered_name() -> None:
     trainer = quiet_trainer("balanced_fsdp", 2, max_steps=1)
     assert isinstance(trainer.strategy, BalancedFSDPStrategy)
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+
+
+def test_every_rank_runs_as_many_micro_batches_as_the_rank_that_needs_most() -> None:
+    """Each FSDP2 forward pass all-gathers the parameters: a rank with a smaller share runs smaller micro-batches."""
+    engine = ShareEngine("balanced_fsdp", None, None, None, None, "mean", [4, 2], True)
+    engine.equal_micro_batches = True
+    share = RankShare(global_size=8, chunk_sizes=[3, 5], indices=[0, 1, 2], sequence=0)
+    for rank, expected in ((0, [(0, 1), (1, 1), (2, 1)]), (1, [(0, 2), (2, 2), (4, 1)])):
+        engine.bind(SimpleNamespace(world_size=2, global_rank=rank, root_device=torch.device("cpu")))
+        mine = share if rank == 0 else RankShare(8, [3, 5], [3, 4, 5, 6, 7], 0)
+        assert engine._pieces(mine) == expected  # rank 1's 5 samples need 3 micro-batches of at most 2
