@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from lightning_balanced.timing import SpanTimer
+
 __all__ = ["COMPUTE_CALLS", "BusyTimer", "bubble"]
 
 #: The methods of a ``PipelineStage`` that run its module (the ones each torch release has are wrapped).
@@ -36,9 +38,8 @@ class BusyTimer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._cuda = device.type == "cuda"
-        self._busy_s = 0.0
+        self._busy = SpanTimer(device)
         self._started = 0.0
-        self._events: list[tuple[Any, Any]] = []
         self._step_start: Any = None
 
     def wrap(self, stage: Any) -> None:
@@ -51,26 +52,14 @@ class BusyTimer:
     def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                try:
-                    return method(*args, **kwargs)
-                finally:
-                    end.record()
-                    self._events.append((start, end))
-            started = time.perf_counter()
-            try:
+            with self._busy.span():
                 return method(*args, **kwargs)
-            finally:
-                self._busy_s += time.perf_counter() - started
 
         return timed
 
     def start_step(self) -> None:
         """The step begins: compute time counts from here."""
-        self._busy_s = 0.0
-        self._events = []
+        self._busy.clear()
         if self._cuda:
             self._step_start = torch.cuda.Event(enable_timing=True)
             self._step_start.record()
@@ -78,11 +67,7 @@ class BusyTimer:
 
     def busy_seconds(self) -> float:
         """Seconds the stages computed since :meth:`start_step` (on CUDA, waits for their last kernel)."""
-        if self._cuda:
-            if self._events:
-                self._events[-1][1].synchronize()
-            return float(sum(start.elapsed_time(end) for start, end in self._events)) / 1e3
-        return self._busy_s
+        return self._busy.seconds()
 
     def step_seconds(self) -> float:
         """Seconds since :meth:`start_step` (on CUDA, of the current stream's work: waits for it)."""

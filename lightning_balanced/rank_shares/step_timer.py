@@ -1,11 +1,10 @@
-"""A rank's step time and peak memory: CUDA events and ``torch.cuda.max_memory_allocated`` on a GPU, else the host."""
+"""A rank's step time and peak memory: a :class:`~lightning_balanced.timing.SpanTimer` a step, and the step's peak."""
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import torch
+
+from lightning_balanced.timing import SpanTimer
 
 __all__ = ["StepTimer"]
 
@@ -13,11 +12,12 @@ __all__ = ["StepTimer"]
 class StepTimer:
     """This rank's step-method seconds (forward passes and losses) and peak memory of a training step.
 
-    Several spans (micro-batches) add up. The host clock on the CPU; on CUDA events on the current stream, read at the
-    next step's exchange (by then the step has long been queued, so the read waits at most for the previous optimizer
-    step). The peak, on CUDA, is ``torch.cuda.max_memory_allocated`` from the start of one step to the start of the
-    next: forward, backward and optimizer step. On other devices the strategy may report a peak it measured itself
-    (:meth:`record_peak`, e.g. the bytes a step saved for backward plus the rank's fixed state); else none.
+    Several spans (micro-batches) add up (:class:`~lightning_balanced.timing.SpanTimer`). On CUDA the events are read
+    at the next step's exchange (by then the step has long been queued, so the read waits at most for the previous
+    optimizer step). The peak, on CUDA, is ``torch.cuda.max_memory_allocated`` from the start of one step to the
+    start of the next: forward, backward and optimizer step. On other devices the strategy may report a peak it
+    measured itself (:meth:`record_peak`, e.g. the bytes a step saved for backward plus the rank's fixed state); else
+    none.
 
     Args:
         device (torch.device): the rank's device.
@@ -26,15 +26,15 @@ class StepTimer:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._cuda = device.type == "cuda"
-        self._spans: list[Any] = []
-        self._began: Any = None
-        self._done: list[Any] | None = None
+        self._spans = SpanTimer(device)
+        self._done: SpanTimer | None = None
         self._done_peak: int | None = None
         self._host_peak: int | None = None
 
     def new_step(self) -> None:
         """Close the last step's spans for :meth:`take`, and start measuring the peak memory of this one."""
-        self._done, self._spans = self._spans or None, []
+        self._done = self._spans if self._spans.recorded() else None
+        self._spans = SpanTimer(self._device)
         if self._cuda:
             self._done_peak = int(torch.cuda.max_memory_allocated(self._device))
             torch.cuda.reset_peak_memory_stats(self._device)
@@ -47,20 +47,11 @@ class StepTimer:
 
     def start(self) -> None:
         """Open a span of the step method."""
-        if self._cuda:
-            self._began = torch.cuda.Event(enable_timing=True)
-            self._began.record()
-        else:
-            self._began = time.perf_counter()
+        self._spans.start()
 
     def stop(self) -> None:
         """Close the span :meth:`start` opened."""
-        if self._cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._spans.append((self._began, end))
-        else:
-            self._spans.append(time.perf_counter() - self._began)
+        self._spans.stop()
 
     def last_peak(self) -> int | None:
         """The peak bytes of the step before the current one; ``None`` where it was not measured."""
@@ -68,12 +59,7 @@ class StepTimer:
 
     def take(self) -> tuple[float, int | None] | None:
         """The last timed step's seconds and peak bytes (``None``: no step was timed since the last take)."""
-        spans, self._done = self._done, None
-        if spans is None:
+        done, self._done = self._done, None
+        if done is None:
             return None
-        if not self._cuda:
-            return float(sum(spans)), self._done_peak
-        for _, end in spans:
-            end.synchronize()
-        seconds = sum(float(began.elapsed_time(end)) for began, end in spans) / 1000.0
-        return seconds, self._done_peak
+        return done.seconds(), self._done_peak

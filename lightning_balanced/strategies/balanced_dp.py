@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import inspect
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -53,6 +52,7 @@ from lightning_balanced.data_parallel.virtual_device import emulated_device, emu
 from lightning_balanced.evaluation.mixin import REPLICA_POSITION
 from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
+from lightning_balanced.timing import SpanTimer
 
 _REPORT_MEMORY_AFTER_STEPS = 3
 # Seconds a replica waits for the others at a meeting of the step's barrier (a lockstep call, a synchronized BatchNorm).
@@ -64,39 +64,28 @@ _BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when traini
 class _ReplicaProfile:
     """Each replica's step-method time and memory, for a split policy that observes (:meth:`SplitPolicy.observe`).
 
-    On CUDA, two events on the replica's stream (current in its thread), read after the step; elsewhere the host clock.
-    ``peak_bytes`` is filled by the virtual CPU devices (:func:`emulated_step`); the strategy reads a GPU's.
+    A :class:`~lightning_balanced.timing.SpanTimer` per replica: on CUDA two events on the replica's stream (current
+    in its thread), read after the step; elsewhere the host clock. ``peak_bytes`` is filled by the virtual CPU devices
+    (:func:`emulated_step`); the strategy reads a GPU's.
     """
 
     def __init__(self, count: int, on_cuda: bool) -> None:
-        self._on_cuda = on_cuda
-        self._marks: list[Any] = [None] * count
+        device = torch.device("cuda" if on_cuda else "cpu")
+        self._timers = [SpanTimer(device) for _ in range(count)]
         self.peak_bytes: list[int | None] = [None] * count
 
-    @contextmanager
-    def measure(self, index: int) -> Iterator[None]:
-        if self._on_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._marks[index] = (start, end)
-        else:
-            began = time.perf_counter()
-            yield
-            self._marks[index] = time.perf_counter() - began
+    def measure(self, index: int) -> AbstractContextManager[None]:
+        """Time replica ``index``'s step method (a context around it)."""
+        return self._timers[index].span()
 
     def set_seconds(self, index: int, seconds: float) -> None:
         """Replace the host clock's time of replica ``index`` (CPU) by ``seconds``: an emulated device's own time."""
-        self._marks[index] = seconds
+        self._timers[index].clear()
+        self._timers[index].add_seconds(seconds)
 
     def seconds(self) -> list[float]:
         """Each replica's time in seconds; on CUDA the host waits here for the replicas' step methods to finish."""
-        if not self._on_cuda:
-            return list(self._marks)
-        for _, end in self._marks:
-            end.synchronize()
-        return [start.elapsed_time(end) / 1000.0 for start, end in self._marks]
+        return [timer.seconds() for timer in self._timers]
 
 
 @dataclass(frozen=True)
