@@ -26,7 +26,7 @@ def test_spans_and_given_seconds_add_up_until_cleared() -> None:
 
 def test_a_span_is_closed_when_its_block_raises() -> None:
     timer = SpanTimer(torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="^inside$"), timer.span():
+    with pytest.raises(RuntimeError, match=r"^inside$"), timer.span():
         raise RuntimeError("inside")
     assert timer.recorded()
 
