@@ -25,6 +25,7 @@ from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLo
 from lightning_balanced.data_parallel.split_policy import SplitPolicy
 from lightning_balanced.pipelining.saved_bytes import SavedTensorBytes
 from lightning_balanced.rank_shares.engine import ShareEngine
+from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
 __all__ = ["BalancedFSDPStrategy"]
@@ -56,7 +57,7 @@ def _tensor_bytes(tensors: Iterator[Tensor]) -> int:
     return total
 
 
-class BalancedFSDPStrategy(LRScaleFactorCheckOnLoad, RegisteredStrategy, ModelParallelStrategy):
+class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, ModelParallelStrategy):
     """FSDP2 over one global batch split unevenly over the ranks: each step is one process's step on the whole batch.
 
     Lightning's ``ModelParallelStrategy`` (FSDP2 over a device mesh, sharded ``torch.distributed.checkpoint``

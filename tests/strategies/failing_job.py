@@ -34,6 +34,15 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ShardedModel(Model):
+    """For strategy="balanced_fsdp": sharded with FSDP2, as under ModelParallelStrategy."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.sequential_module, mesh=self.device_mesh["data_parallel"])
+
+
 class GatheringModel(DistributedEvalMixin, Model):
     def compute_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(output, target)
@@ -63,4 +72,4 @@ if __name__ == "__main__":
     if gather:
         trainer.validate(GatheringModel(), DataLoader(data, batch_size=8))
     else:
-        trainer.fit(Model(), DataLoader(data, batch_size=8))
+        trainer.fit(ShardedModel() if sys.argv[1] == "balanced_fsdp" else Model(), DataLoader(data, batch_size=8))

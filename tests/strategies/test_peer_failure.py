@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from lightning_balanced.strategies.balanced_fsdp import FSDP2_CPU_TORCH, _torch_version
+
 JOB = Path(__file__).with_name("failing_job.py")
+CPU_FSDP2 = pytest.mark.skipif(
+    _torch_version() < FSDP2_CPU_TORCH, reason=f"FSDP2 on CPU ranks needs torch >= {FSDP2_CPU_TORCH}"
+)
 
 # What rank 0 prints instead of a traceback, up to the backend's own words.
 LOST = {
@@ -22,6 +27,8 @@ LOST = {
     " on rank 1 (the backend said: ",
     "balanced_ddp": "rank 0 stopped: it lost its connection to another rank; rank 1 stopped on ValueError: a mistake"
     " on rank 1 (the backend said: ",
+    "balanced_fsdp": "rank 0 stopped: it lost its connection to another rank; rank 1 stopped on ValueError: a"
+    " mistake on rank 1 (the backend said: ",
     "pipeline": "PeerStopped: strategy='pipeline': rank 0 lost its connection to another rank in a training step:"
     " rank 1 stopped on ValueError: a mistake on rank 1 (its traceback is in that process's output). The backend"
     " said: ",
@@ -42,7 +49,10 @@ def _run_job(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [name for name in LOST if name != "gather"])
+@pytest.mark.parametrize(
+    "strategy",
+    [pytest.param(name, marks=CPU_FSDP2) if name == "balanced_fsdp" else name for name in LOST if name != "gather"],
+)
 def test_a_failing_rank_prints_the_one_traceback_and_the_other_rank_one_line(strategy: str, tmp_path: Path) -> None:
     done, _ = _run_job(tmp_path, strategy)
     output = done.stdout + done.stderr
