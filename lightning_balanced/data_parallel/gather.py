@@ -54,6 +54,16 @@ def _is_per_sample_list(outputs: Sequence[Any], chunk_sizes: Sequence[int]) -> b
     return not batched or not any(outputs)
 
 
+def share_weight(samples: int, total: int, loss_reduction: Literal["mean", "sum"] = "mean") -> float:
+    """The weight of the loss of ``samples`` of a batch of ``total`` in the batch's loss.
+
+    ``"mean"`` (the loss is a mean over the samples): ``samples / total``, so the weighted sum of the parts' losses is
+    the batch mean; ``"sum"``, or a batch of 0 samples: ``1``. ``balanced_dp`` weights each replica's loss by it;
+    ``balanced_ddp`` and ``balanced_fsdp`` each rank's, times ``world_size`` (their reduction averages the ranks).
+    """
+    return samples / total if loss_reduction == "mean" and total > 0 else 1.0
+
+
 def chunk_weights(chunk_sizes: Sequence[int], loss_reduction: Literal["mean", "sum"] = "mean") -> list[float]:
     """The weight of each replica's 0-dim floating output (its loss) in the batch's: what :func:`gather` applies.
 
@@ -63,9 +73,7 @@ def chunk_weights(chunk_sizes: Sequence[int], loss_reduction: Literal["mean", "s
     :func:`gather` returns.
     """
     total = sum(chunk_sizes)
-    if loss_reduction == "mean" and total > 0:
-        return [size / total for size in chunk_sizes]
-    return [1.0] * len(chunk_sizes)
+    return [share_weight(size, total, loss_reduction) for size in chunk_sizes]
 
 
 def gather(

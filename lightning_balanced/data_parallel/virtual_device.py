@@ -47,7 +47,6 @@ __all__ = [
     "EmulatedStep",
     "VirtualDeviceMode",
     "VirtualDeviceTensor",
-    "device_of",
     "emulate_devices",
     "emulated_device",
     "emulated_step",
@@ -273,11 +272,6 @@ def on_device(tensor: Tensor, device: torch.device) -> Tensor:
     if device.type == "cpu":
         return _tag(tensor, device.index)  # type: ignore[no-any-return]
     return tensor.to(device)
-
-
-def device_of(tensor: Tensor) -> torch.device:
-    """The device ``tensor`` is on, virtual CPU devices included (a plain CPU tensor is on ``cpu``)."""
-    return tensor.device
 
 
 # ---- a testing aid: virtual devices of different speeds and memory capacities ---------------------------------------

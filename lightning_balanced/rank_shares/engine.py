@@ -27,6 +27,7 @@ from torch import Tensor
 from lightning_balanced.arguments import check_bool, check_int
 from lightning_balanced.data_parallel.auto_split import memory_line
 from lightning_balanced.data_parallel.carried_exchange import CarriedExchange
+from lightning_balanced.data_parallel.gather import share_weight
 from lightning_balanced.data_parallel.replica_context import ReplicaLogRecorder, combine_logs
 from lightning_balanced.data_parallel.scatter import infer_batch_size
 from lightning_balanced.data_parallel.split_policy import SplitPolicy, even_split, split_policy
@@ -459,8 +460,7 @@ class ShareEngine:
 
     def weight(self, samples: int, global_size: int) -> float:
         """The loss weight of ``samples`` of a global batch of ``global_size``: the ranks' mean is the global one."""
-        world_size = self.host.world_size
-        return float(world_size) if self.loss_reduction == "sum" else world_size * samples / global_size
+        return self.host.world_size * share_weight(samples, global_size, self.loss_reduction)
 
     def _micro_batch_cap(self, rank: int) -> int | None:
         cap = self.max_micro_batch
@@ -572,7 +572,7 @@ class ShareEngine:
         values = layout.value_slots(buffer)
         for k, (_, value, _, kind) in enumerate(combined):
             if samples:
-                weight = samples / share.global_size if kind == "mean" else 1.0
+                weight = share_weight(samples, share.global_size, "mean" if kind == "mean" else "sum")
                 values[k] = torch.as_tensor(value).detach().reshape(()).to(buffer) * weight
         timed_plan = self._timed_plan if timed is not None else None
         logged = [(name, options) for name, _, options, _ in combined]

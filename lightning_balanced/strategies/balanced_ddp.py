@@ -26,7 +26,7 @@ from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
 from lightning_balanced.rank_shares.engine import ShareEngine
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
-from lightning_balanced.strategies.registration import RegisteredStrategy
+from lightning_balanced.strategies.registration import RegisteredStrategy, register_variants
 
 if TYPE_CHECKING:
     _StrategyBase = DDPStrategy
@@ -55,13 +55,9 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         Args:
             strategy_registry (_StrategyRegistry): the registry to fill.
         """
-        for name, start_method in _LAUNCHES:
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"DDP over one global batch split unevenly over the ranks, `start_method` '{start_method}'",
-                start_method=start_method,
-            )
+        described = "DDP over one global batch split unevenly over the ranks, `start_method`"
+        variants = [(name, f"{described} '{method}'", {"start_method": method}) for name, method in _LAUNCHES]
+        register_variants(cls, strategy_registry, variants)
 
     def __init__(
         self,

@@ -304,7 +304,8 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
 
     def _host_peak(self, run: Callable[[], Any]) -> tuple[Any, int]:
         """``run()`` and this rank's peak bytes in it: the fixed bytes plus the bytes its forward saved for backward."""
-        meter = SavedTensorBytes()
+        assert self.model is not None
+        meter = SavedTensorBytes.for_module(self.model)  # its parameters and buffers are counted as fixed bytes
         with meter:
             output = run()
         return output, self._fixed_bytes() + meter.peak

@@ -30,7 +30,7 @@ from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
 from lightning_balanced.ranks.reports import rank_zero_report
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
-from lightning_balanced.strategies.registration import RegisteredStrategy
+from lightning_balanced.strategies.registration import RegisteredStrategy, register_variants
 
 # Set on the LightningModule by a `Tuner.lr_find` run under this strategy: the learning rate it suggests was found at
 # this factor's effective batch, so the next fit treats it as already scaled by it.
@@ -77,15 +77,16 @@ class LRScaledDDP(PeerFailureReporting, RegisteredStrategy, _StrategyBase):
         Args:
             strategy_registry (_StrategyRegistry): the registry to fill.
         """
-        for prefix, start_method in _LAUNCHES:
-            for policy in ("linear", "sqrt"):
-                strategy_registry.register(
-                    f"{prefix}_lr_{policy}",
-                    cls,
-                    description=f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'",
-                    lr_scaling=policy,
-                    start_method=start_method,
-                )
+        variants = [
+            (
+                f"{prefix}_lr_{policy}",
+                f"DDP with {policy} learning-rate scaling and `start_method` '{start_method}'",
+                {"lr_scaling": policy, "start_method": start_method},
+            )
+            for prefix, start_method in _LAUNCHES
+            for policy in ("linear", "sqrt")
+        ]
+        register_variants(cls, strategy_registry, variants)
 
     def __init__(
         self,

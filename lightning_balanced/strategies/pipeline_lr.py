@@ -8,6 +8,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 
 from lightning_balanced.strategies.ddp_lr import LRScaledDDP
 from lightning_balanced.strategies.pipeline import PipelineStrategy
+from lightning_balanced.strategies.registration import register_variants
 
 __all__ = ["LRScaledPipelineStrategy"]
 
@@ -43,13 +44,9 @@ class LRScaledPipelineStrategy(LRScaledDDP, PipelineStrategy):
         Args:
             strategy_registry (_StrategyRegistry): the registry to fill.
         """
-        for policy in ("linear", "sqrt"):
-            strategy_registry.register(
-                f"pipeline_lr_{policy}",
-                cls,
-                description=f"pipeline parallelism with {policy} learning-rate scaling in its data-parallel size",
-                lr_scaling=policy,
-            )
+        described = "pipeline parallelism with {} learning-rate scaling in its data-parallel size"
+        variants = [(f"pipeline_lr_{p}", described.format(p), {"lr_scaling": p}) for p in ("linear", "sqrt")]
+        register_variants(cls, strategy_registry, variants)
 
     def __init__(
         self,

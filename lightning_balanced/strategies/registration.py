@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import types
 import warnings
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -30,6 +31,7 @@ __all__ = [
     "pytorch_lightning_variant",
     "register_strategies",
     "register_strategy",
+    "register_variants",
     "strategy_classes",
 ]
 
@@ -62,6 +64,23 @@ class RegisteredStrategy:
         """
         description = (cls.__doc__ or "").strip().partition("\n")[0]
         strategy_registry.register(cls.strategy_name, cls, description=description)
+
+
+def register_variants(
+    strategy: type, strategy_registry: _StrategyRegistry, variants: Iterable[tuple[str, str, dict[str, Any]]]
+) -> None:
+    """Register ``strategy`` under several names, each with preset arguments, as Lightning's ``DDPStrategy`` does.
+
+    What a strategy's ``register_strategies`` calls when it has more than one name (``ddp_lr_linear``/``_sqrt`` and
+    their launches, ``balanced_ddp_spawn``, ...).
+
+    Args:
+        strategy (type): the strategy class.
+        strategy_registry (_StrategyRegistry): the registry to fill.
+        variants: ``(name, description, init_params)`` for each name.
+    """
+    for name, description, init_params in variants:
+        strategy_registry.register(name, strategy, description=description, **init_params)
 
 
 def register_strategy(strategy: Any, registry: dict[str, Any]) -> list[str]:
