@@ -57,11 +57,6 @@ class SavedTensorBytes:
         self.peak = 0
         self._hooks: Any = None
 
-    @classmethod
-    def for_module(cls, module: nn.Module) -> SavedTensorBytes:
-        """A meter that leaves out ``module``'s parameters and buffers."""
-        return cls(exclude=[*module.parameters(), *module.buffers()])
-
     def reset_peak(self) -> None:
         """Start the peak again from what is held now."""
         self.peak = self.current

@@ -37,7 +37,14 @@ from lightning_balanced.rank_shares.loader import RankShare, share_batch_sampler
 from lightning_balanced.rank_shares.step_timer import StepTimer
 from lightning_balanced.ranks.reports import rank_zero_report
 
-__all__ = ["MeasuredMicroBatch", "ShareEngine", "check_max_micro_batch", "observes"]
+__all__ = [
+    "MeasuredMicroBatch",
+    "ShareEngine",
+    "ShareStep",
+    "check_max_micro_batch",
+    "gathered_gpu_capacities",
+    "observes",
+]
 
 _STEP_LOADERS = {
     "training_step": "train_dataloader",
@@ -110,6 +117,38 @@ def _pieces(samples: int, cap: int) -> list[tuple[int, int]]:
 def _slice(batch: Any, start: int, size: int) -> Any:
     """Samples ``start .. start + size`` of every tensor of ``batch`` that has a batch dimension."""
     return apply_to_collection(batch, Tensor, lambda t: t[start : start + size] if t.dim() else t)
+
+
+class ShareStep:
+    """A strategy's step method (``training_step``, ...) that runs its base class's on this rank's share.
+
+    Written once for every strategy that owns a :class:`ShareEngine` as ``self.shares``: in the class body,
+    ``training_step = ShareStep()``. The base class's method is the next one after the class the attribute is set in
+    (``super(owner, self)``), as a ``super().training_step`` written there would find.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._owner, self._name = owner, name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        base = getattr(super(self._owner, instance), self._name)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return instance.shares.step(self._name, base, args, kwargs)
+
+        return step
+
+
+def gathered_gpu_capacities(host: ShareHost) -> list[int | None]:
+    """Each rank's GPU memory in bytes (``None`` off CUDA), gathered on every rank (one all_reduce on CUDA)."""
+    if host.root_device.type != "cuda":
+        return [None] * host.world_size
+    capacities = torch.zeros(host.world_size, dtype=torch.float64, device=host.root_device)
+    capacities[host.global_rank] = torch.cuda.get_device_properties(host.root_device).total_memory
+    dist.all_reduce(capacities)
+    return [int(c) for c in capacities.tolist()]
 
 
 class MeasuredMicroBatch:

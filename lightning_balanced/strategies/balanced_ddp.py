@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,7 +21,7 @@ from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLo
 from lightning_balanced.data_parallel.carried_exchange import CarriedExchange
 from lightning_balanced.data_parallel.split_policy import SplitPolicy
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
-from lightning_balanced.rank_shares.engine import ShareEngine
+from lightning_balanced.rank_shares.engine import ShareEngine, ShareStep, gathered_gpu_capacities
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
 from lightning_balanced.strategies.registration import RegisteredStrategy, register_variants
@@ -134,7 +132,7 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
             self,
             no_sync=lambda: self.model.no_sync(),  # type: ignore[union-attr, operator]
             backward=lambda loss: super(BalancedDDP, self).backward(loss, None),
-            capacities=self._gpu_capacities() if observes_gpus else None,
+            capacities=gathered_gpu_capacities(self) if observes_gpus else None,
         )
 
     @override
@@ -147,34 +145,16 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
             self.shares.carrier = CarriedExchange()
             self.model.register_comm_hook(self.model.process_group, self.shares.carrier.reduce)
 
-    def _gpu_capacities(self) -> list[int | None]:
-        """Each rank's GPU memory in bytes (one all_reduce at setup)."""
-        capacities = torch.zeros(self.world_size, dtype=torch.float64, device=self.root_device)
-        capacities[self.global_rank] = torch.cuda.get_device_properties(self.root_device).total_memory
-        dist.all_reduce(capacities)
-        return [int(c) for c in capacities.tolist()]
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """``dataloader``, yielding this rank's share of each of its global batches (:func:`share_loader`)."""
         return self.shares.process_dataloader(super().process_dataloader(dataloader))
 
-    # ---- the steps -------------------------------------------------------------------------------------------------
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.shares.step("training_step", super().training_step, args, kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.shares.step("validation_step", super().validation_step, args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.shares.step("test_step", super().test_step, args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.shares.step("predict_step", super().predict_step, args, kwargs)
+    # ---- the steps: the base class's, on this rank's share --------------------------------------------------------
+    training_step = ShareStep()
+    validation_step = ShareStep()
+    test_step = ShareStep()
+    predict_step = ShareStep()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -24,7 +23,7 @@ from lightning_balanced.arguments import check_int
 from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
 from lightning_balanced.data_parallel.split_policy import SplitPolicy
 from lightning_balanced.pipelining.saved_bytes import SavedTensorBytes
-from lightning_balanced.rank_shares.engine import ShareEngine
+from lightning_balanced.rank_shares.engine import ShareEngine, ShareStep, gathered_gpu_capacities
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
@@ -272,14 +271,7 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
 
     def _capacities(self) -> list[int | None]:
         """Each rank's memory in bytes: ``capacities``, else on CUDA each GPU's (one all_reduce)."""
-        if self.capacities is not None:
-            return list(self.capacities)
-        if self.root_device.type != "cuda":
-            return [None] * self.world_size
-        capacities = torch.zeros(self.world_size, dtype=torch.float64, device=self.root_device)
-        capacities[self.global_rank] = torch.cuda.get_device_properties(self.root_device).total_memory
-        dist.all_reduce(capacities)
-        return [int(c) for c in capacities.tolist()]
+        return list(self.capacities) if self.capacities is not None else gathered_gpu_capacities(self)
 
     def _fixed_bytes(self) -> int:
         """This rank's memory that does not grow with its share, in bytes.
@@ -304,8 +296,7 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
 
     def _host_peak(self, run: Callable[[], Any]) -> tuple[Any, int]:
         """``run()`` and this rank's peak bytes in it: the fixed bytes plus the bytes its forward saved for backward."""
-        assert self.model is not None
-        meter = SavedTensorBytes.for_module(self.model)  # its parameters and buffers are counted as fixed bytes
+        meter = SavedTensorBytes()  # parameters (sharded DTensors, and unsharded while they run) are left out
         with meter:
             output = run()
         return output, self._fixed_bytes() + meter.peak
@@ -328,22 +319,11 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
         """``dataloader``, yielding this rank's share of each of its global batches."""
         return self.shares.process_dataloader(super().process_dataloader(dataloader))
 
-    # ---- the steps -------------------------------------------------------------------------------------------------
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.shares.step("training_step", super().training_step, args, kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.shares.step("validation_step", super().validation_step, args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.shares.step("test_step", super().test_step, args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.shares.step("predict_step", super().predict_step, args, kwargs)
+    # ---- the steps: the base class's, on this rank's share --------------------------------------------------------
+    training_step = ShareStep()
+    validation_step = ShareStep()
+    test_step = ShareStep()
+    predict_step = ShareStep()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
