@@ -22,8 +22,10 @@ import_graph = _load_tool()
 
 
 def test_every_module_is_in_a_layer():
-    for name in import_graph.modules():
-        import_graph.unit(name)  # raises LookupError for a module placed in no layer
+    placed = {name: import_graph.unit(name) for name in import_graph.modules()}  # LookupError: placed in no layer
+    for name, (layer, unit) in placed.items():  # each in the unit of its longest prefix, at that unit's layer
+        assert unit in import_graph.LAYERS[layer] and (name == unit or name.startswith(unit + ".")), name
+    assert placed["lightning_balanced.rank_shares.engine"][1] == "lightning_balanced.rank_shares"
 
 
 def test_no_import_goes_up_a_layer_or_sideways():

@@ -144,7 +144,14 @@ def test_an_abort_releases_the_waiting_replicas_at_once_with_the_first_failure()
     first, second = KeyError("replica 2 failed first"), ValueError("replica 3 failed second")
 
     def fail_later() -> None:
-        time.sleep(0.2)  # replicas 0 and 1 are waiting by then
+        # Once replicas 0 and 1 wait in the meeting (their values are in; polled, not a guessed sleep).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with barrier._condition:
+                meeting = barrier._meetings.get((None, 0))
+                if meeting is not None and len(meeting.values) == 2:
+                    break
+            time.sleep(0.001)
         barrier.abort(2, first)
         barrier.abort(3, second)
 

@@ -437,6 +437,9 @@ def test_the_statistics_exchange_on_cuda_never_makes_the_host_wait(
     previous = torch.cuda.get_sync_debug_mode()
     try:
         torch.cuda.set_sync_debug_mode("error")
-        _replica_forward(model, x, case.chunk_sizes, devices)
+        y = _replica_forward(model, x, case.chunk_sizes, devices)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+    # And it is the exchange of the whole batch's statistics: the output of one BatchNorm over the whole batch (the
+    # running statistics do not enter a training forward pass). float32 on the GPU: a merge order apart.
+    torch.testing.assert_close(y, _model(case).to(devices[0])(x), rtol=1e-5, atol=1e-5)

@@ -20,13 +20,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_balanced import AutoSplit, BalancedDDPStrategy, ChunkSizes, DistributedEvalMixin, EvenSplit
 from lightning_balanced.rank_shares.engine import MeasuredMicroBatch
 from lightning_balanced.rank_shares.loader import ShareBatchSampler, share_loader
-from tests.distributed import lightning_sampler_seed, run_distributed
+from tests.distributed import run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
+from tests.reference import reference_fit
 
 EXACT = {"rtol": 0, "atol": 1e-12}
 SAMPLES = 24
@@ -114,30 +115,16 @@ def _reference(
     """One process on the global batches, in the order of Lightning's DistributedSampler over one replica (shuffled,
     seeded, reshuffled each epoch), stepping as Lightning's loop does with accumulation and clipping."""
     model = Regressor(optimizer, batchnorm=batchnorm)
-    opt = model.configure_optimizers()
-    data = _data()
-    x, y = data[:]
-    losses: list[float] = []
-    done, epoch = 0, 0
-    while done < steps:
-        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=lightning_sampler_seed())
-        sampler.set_epoch(epoch)
-        order = list(sampler)
-        batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
-        for index, batch in enumerate(batches):
-            loss = F.mse_loss(model.net(x[batch]), y[batch])
-            losses.append(loss.item())
-            (loss / accumulate).backward()
-            if (index + 1) % accumulate == 0 or index == len(batches) - 1:
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                opt.step()
-                opt.zero_grad()
-                done += 1
-                if done == steps:
-                    break
-        epoch += 1
-    return _state(model), losses
+    return reference_fit(
+        model,
+        model.configure_optimizers(),
+        lambda x, y: F.mse_loss(model.net(x), y),
+        _data(),
+        steps=steps,
+        batch_size=batch_size,
+        accumulate=accumulate,
+        clip=clip,
+    )
 
 
 def _assert_trained_as(ranks: list[dict[str, Any]], reference: tuple[dict[str, torch.Tensor], list[float]]) -> None:

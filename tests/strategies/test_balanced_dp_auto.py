@@ -341,16 +341,37 @@ def test_auto_with_gpu0_bsz_raises() -> None:
 # ---- the testing aid itself ----------------------------------------------------------------------------------------
 
 
-def test_a_slowdown_stretches_the_step_on_its_device_only() -> None:
+class FakeClock:
+    """``time.perf_counter`` and ``time.sleep`` of the emulation, on a clock that only sleeping moves: exact times."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    import lightning_balanced.data_parallel.virtual_device as virtual_device
+
+    fake = FakeClock()
+    monkeypatch.setattr(virtual_device, "time", fake)
+    return fake
+
+
+def test_a_slowdown_stretches_the_step_on_its_device_only(clock: FakeClock) -> None:
     with emulate_devices([EmulatedDevice(), EmulatedDevice(slowdown=3.0)]):
         took = []
         for index in (0, 1):
-            began = time.perf_counter()
+            began = clock.perf_counter()
             with emulated_step(torch.device("cpu", index)):
-                time.sleep(0.05)
-            took.append(time.perf_counter() - began)
-    assert 0.05 <= took[0] < 0.1
-    assert took[1] >= 0.15
+                clock.sleep(0.05)  # the step method's own 50 ms on the host
+            took.append(clock.perf_counter() - began)
+    assert took == pytest.approx([0.05, 0.15], abs=1e-12)  # device 1 three times as long
 
 
 def test_a_step_over_the_emulated_capacity_runs_out_of_memory() -> None:
@@ -368,22 +389,21 @@ def test_a_step_over_the_emulated_capacity_runs_out_of_memory() -> None:
     )
 
 
-def test_device_work_per_sample_is_done_before_the_stretch() -> None:
+def test_device_work_per_sample_is_done_before_the_stretch(clock: FakeClock) -> None:
     devices = [EmulatedDevice(seconds_per_sample=0.01), EmulatedDevice(slowdown=2.0, seconds_per_sample=0.01)]
     took = []
     with emulate_devices(devices):
         reported = []
         for index in (0, 1):
-            began = time.perf_counter()
+            began = clock.perf_counter()
             with emulated_step(torch.device("cpu", index), samples=5) as step:
                 pass
-            took.append(time.perf_counter() - began)
+            took.append(clock.perf_counter() - began)
             reported.append(step.seconds)
-    assert 0.05 <= took[0] < 0.09
-    assert took[1] >= 0.1
-    # The device's own time: the nominal 50 ms of work (and the empty step method), times the slowdown.
-    assert reported[0] is not None and 0.05 <= reported[0] < 0.055
-    assert reported[1] is not None and 0.1 <= reported[1] < 0.11
+    # 5 samples of 10 ms of device work; device 1 stretches the whole (work included) by its slowdown of 2.
+    assert took == pytest.approx([0.05, 0.1], abs=1e-12)
+    # The device's own time: the nominal 50 ms of work (the empty step method takes no time here), times the slowdown.
+    assert reported == pytest.approx([0.05, 0.1], abs=1e-12)
 
 
 @pytest.mark.parametrize(

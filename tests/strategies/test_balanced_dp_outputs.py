@@ -128,6 +128,9 @@ def test_batchnorm_2d_with_a_one_image_chunk_is_not_an_error() -> None:
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return self.conv(batch[0].view(-1, 1, 1, 5)).pow(2).mean()
 
-    quiet_trainer(BalancedDataParallelStrategy(chunk_sizes=[1, 4]), 2, max_steps=1).fit(
-        Conv(), DataLoader(_data(5), batch_size=5)
-    )
+    model = Conv()
+    trainer = quiet_trainer(BalancedDataParallelStrategy(chunk_sizes=[1, 4]), 2, max_steps=1)
+    trainer.fit(model, DataLoader(_data(5), batch_size=5))
+    # The step ran: one optimizer step, and replica 0's BatchNorm (the one-image chunk) updated the running statistics.
+    assert trainer.global_step == 1
+    assert int(model.conv[1].num_batches_tracked) == 1

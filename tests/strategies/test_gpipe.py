@@ -356,7 +356,13 @@ def test_cuda_partitions_stay_on_their_devices(precision: str, devices: list[tor
 def test_cuda_memory_balance(devices: list[torch.device]) -> None:
     strategy = GPipeStrategy(balance="memory", chunks=2, parallel_devices=devices)
     trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=gpu_ids(devices), max_steps=1)
-    trainer.fit(SequentialModel(), data(dtype=torch.float32))
+    model = SequentialModel()
+    trainer.fit(model, data(dtype=torch.float32))
+    # Balanced by measured memory (not a fallback to parameter counts): every partition holds layers, all of them.
+    assert strategy._balance_method == "memory"
+    balance = strategy._reported_balance
+    assert balance is not None and len(balance) == len(devices) and all(n > 0 for n in balance)
+    assert sum(balance) == len(model.sequential_module)
 
 
 # ---- placement: the pipelined model never sits whole on the root device ----------------------------------------------

@@ -20,6 +20,7 @@ from lightning_balanced import PipelineStrategy
 from lightning_balanced.pipelining.stage_plan import SCHEDULES
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer
+from tests.reference import reference_fit
 from tests.strategies.test_pipeline_strategy import LR, PipelinedRegressor, _data, _Losses
 
 EXACT = {"rtol": 0, "atol": 1e-12}
@@ -66,36 +67,18 @@ def _reference(
     shards side by side, in the order of Lightning's ``DistributedSampler`` (seeded, reshuffled each epoch)."""
     model = _model(kind)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    data = _data(SAMPLES)
-    x, y = data[:]
-    losses: list[float] = []
-    done, epoch = 0, 0
-    while done < steps:
-        orders = []
-        for shard in range(shards):
-            sampler = DistributedSampler(
-                data, num_replicas=shards, rank=shard, shuffle=True, seed=lightning_sampler_seed()
-            )
-            sampler.set_epoch(epoch)
-            orders.append(list(sampler))
-        batches = [
-            torch.tensor([i for order in orders for i in order[start : start + batch_size]])
-            for start in range(0, len(orders[0]), batch_size)
-        ]
-        for index, batch in enumerate(batches):
-            loss = model.compute_loss(model.sequential_module(x[batch]), y[batch])
-            losses.append(loss.item())
-            (loss / accumulate).backward()
-            if (index + 1) % accumulate == 0 or index == len(batches) - 1:
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                optimizer.zero_grad()
-                done += 1
-                if done == steps:
-                    break
-        epoch += 1
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    loss_of = lambda x, y: model.compute_loss(model.sequential_module(x), y)  # noqa: E731
+    return reference_fit(
+        model,
+        optimizer,
+        loss_of,
+        _data(SAMPLES),
+        steps=steps,
+        batch_size=batch_size,
+        shards=shards,
+        accumulate=accumulate,
+        clip=clip,
+    )
 
 
 def _assert_trained_as(ranks: list[dict[str, Any]], reference: tuple[dict[str, torch.Tensor], list[float]]) -> None:

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import tests.distributed
 from lightning_balanced import DistributedEvalMixin, GPipeStrategy, LRScaledPipelineStrategy, PipelineStrategy
@@ -32,8 +32,9 @@ from lightning_balanced.pipelining.sharded_checkpoint import (
     is_sharded_checkpoint,
 )
 from lightning_balanced.pipelining.stage_plan import SCHEDULES, stage_indices, stage_owners
-from tests.distributed import DistributedRankError, lightning_sampler_seed, run_distributed
+from tests.distributed import DistributedRankError, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
+from tests.reference import reference_fit
 
 EXACT = {"rtol": 0, "atol": 1e-10}
 LR = 0.1
@@ -183,31 +184,10 @@ def _reference(
     """
     model = PipelinedRegressor(deep=deep)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    data = _data()
-    x, y = data[:]
-    batches = []
-    epoch = 0
-    while len(batches) < steps:  # Lightning reshuffles each epoch (set_epoch)
-        orders = []
-        for shard in range(shards):
-            sampler = DistributedSampler(
-                data, num_replicas=shards, rank=shard, shuffle=True, seed=lightning_sampler_seed()
-            )
-            sampler.set_epoch(epoch)
-            orders.append(list(sampler))
-        for start in range(0, len(orders[0]), batch_size):
-            batches.append(torch.tensor([i for order in orders for i in order[start : start + batch_size]]))
-        epoch += 1
-    losses = []
-    for index in batches[:steps]:
-        optimizer.zero_grad()
-        loss = F.mse_loss(model.sequential_module(x[index]), y[index])
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    loss_of = lambda x, y: F.mse_loss(model.sequential_module(x), y)  # noqa: E731
+    return reference_fit(
+        model, optimizer, loss_of, _data(), steps=steps, batch_size=batch_size, shards=shards, clip=clip
+    )
 
 
 def _assert_trained_as(
