@@ -76,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from bench_ddp_overhead import timed_trainer
 
 from lightning_balanced import AutoSplit, BalancedDDPStrategy, EvenSplit, SplitPolicy
-from lightning_balanced.data_parallel.split_policy import even_split
+from lightning_balanced.split_policies.split_policy import even_split
 from tests.distributed import run_distributed
 
 FEATURES, HIDDEN, CLASSES = 32, 64, 10

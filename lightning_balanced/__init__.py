@@ -6,7 +6,9 @@ Importing the package registers its strategies, so ``Trainer(strategy="balanced_
 """
 
 from lightning_balanced.batch_scaling.lr_scaling import unscale_learning_rates
-from lightning_balanced.data_parallel import (
+from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset, coco_map, postprocess_detections
+from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
+from lightning_balanced.split_policies import (
     AutoSplit,
     ChunkSizes,
     EvenSplit,
@@ -15,8 +17,6 @@ from lightning_balanced.data_parallel import (
     Weights,
     plan_chunk_sizes,
 )
-from lightning_balanced.evaluation import DistributedEvalMixin, IndexedDataset, coco_map, postprocess_detections
-from lightning_balanced.nn.sync_batchnorm import SyncBatchNorm
 from lightning_balanced.strategies import (
     BalancedDataParallelStrategy,
     BalancedDDPStrategy,

@@ -16,9 +16,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_balanced import BalancedDataParallelStrategy, LRScaledDDPStrategy
 from lightning_balanced.cli import LightningBalancedCLI
-from lightning_balanced.data_parallel import SplitPolicy, even_split
 from lightning_balanced.entry_points import ENTRY_POINT_GROUP
 from lightning_balanced.pipelining.stage_plan import SCHEDULES
+from lightning_balanced.split_policies import SplitPolicy, even_split
 from tests.fake_distribution import write_distribution
 from tests.helpers import ON_CPU
 
@@ -53,7 +53,7 @@ STRATEGY_FORMS = {
     ),
     "balanced_dp with a split policy by its full class path": (
         "strategy:\n    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      split:\n"
-        "        class_path: lightning_balanced.data_parallel.split_policy.Gpu0Budget\n"
+        "        class_path: lightning_balanced.split_policies.split_policy.Gpu0Budget\n"
         "        init_args:\n          gpu0_bsz: 14",
         BalancedDataParallelStrategy,
         {"gpu0_bsz": 14, "split": "Gpu0Budget(14)"},
@@ -72,7 +72,7 @@ STRATEGY_FORMS = {
     ),
     "balanced_dp with EvenSplit, no init_args": (
         "strategy:\n    class_path: lightning_balanced.BalancedDataParallelStrategy\n    init_args:\n      split:\n"
-        "        class_path: lightning_balanced.data_parallel.split_policy.EvenSplit",
+        "        class_path: lightning_balanced.split_policies.split_policy.EvenSplit",
         BalancedDataParallelStrategy,
         {"gpu0_bsz": None, "split": "EvenSplit()"},
     ),

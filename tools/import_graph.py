@@ -29,7 +29,7 @@ LAYERS: list[list[str]] = [
     ["lightning_balanced.gpipe", "lightning_balanced.pipelining"],
     ["lightning_balanced.pipeline"],
     ["lightning_balanced.data_parallel"],
-    ["lightning_balanced.nn", "lightning_balanced.evaluation"],
+    ["lightning_balanced.nn", "lightning_balanced.evaluation", "lightning_balanced.split_policies"],
     ["lightning_balanced.ops", "lightning_balanced.arguments", "lightning_balanced.ranks", "lightning_balanced.timing"],
 ]
 

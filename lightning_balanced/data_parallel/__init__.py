@@ -1,5 +1,5 @@
-"""The device-generic data-parallel core: a split policy's plan → ``scatter`` → ``replicate`` → ``parallel_apply`` →
-``gather``.
+"""balanced_dp's device replicas: a split policy's plan (:mod:`lightning_balanced.split_policies`) → ``scatter`` →
+``replicate`` → ``parallel_apply`` → ``gather``.
 
 Each step is a function of its own. On CUDA the steps are torch's own ops (``Scatter`` with explicit chunk sizes,
 ``replicate``, ``parallel_apply``, ``Gather``); on CPU the same plan runs over virtual devices ``cpu:0``, ``cpu:1``, ...
@@ -8,38 +8,18 @@ rules torch's CUDA ops enforce fail on CPU too (autograd-aware ``split``, ``Modu
 thread per replica, ``cat``).
 """
 
-from lightning_balanced.data_parallel.auto_split import AutoSplit
 from lightning_balanced.data_parallel.gather import gather
 from lightning_balanced.data_parallel.parallel_apply import parallel_apply
 from lightning_balanced.data_parallel.replicate import check_replicable, replicate
 from lightning_balanced.data_parallel.scatter import infer_batch_size, scatter
-from lightning_balanced.data_parallel.split_policy import (
-    ChunkSizes,
-    EvenSplit,
-    Gpu0Budget,
-    SplitPolicy,
-    Weights,
-    even_split,
-    plan_chunk_sizes,
-    split_policy,
-)
 from lightning_balanced.data_parallel.virtual_device import virtual_devices
 
 __all__ = [
-    "AutoSplit",
-    "ChunkSizes",
-    "EvenSplit",
-    "Gpu0Budget",
-    "SplitPolicy",
-    "Weights",
     "check_replicable",
-    "even_split",
     "gather",
     "infer_batch_size",
     "parallel_apply",
-    "plan_chunk_sizes",
     "replicate",
     "scatter",
-    "split_policy",
     "virtual_devices",
 ]

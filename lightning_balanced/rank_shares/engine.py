@@ -25,17 +25,17 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_balanced.arguments import check_bool, check_int
-from lightning_balanced.data_parallel.auto_split import memory_line
-from lightning_balanced.data_parallel.carried_exchange import CarriedExchange
 from lightning_balanced.data_parallel.gather import share_weight
 from lightning_balanced.data_parallel.replica_context import ReplicaLogRecorder, combine_logs
 from lightning_balanced.data_parallel.scatter import infer_batch_size
-from lightning_balanced.data_parallel.split_policy import SplitPolicy, even_split, split_policy
 from lightning_balanced.evaluation.mixin import BATCH_INDICES
+from lightning_balanced.rank_shares.carried_exchange import CarriedExchange
 from lightning_balanced.rank_shares.exchange import ExchangeLayout
 from lightning_balanced.rank_shares.loader import RankShare, share_batch_sampler, share_loader
 from lightning_balanced.rank_shares.step_timer import StepTimer
 from lightning_balanced.ranks.reports import rank_zero_report
+from lightning_balanced.split_policies.auto_split import memory_line
+from lightning_balanced.split_policies.split_policy import SplitPolicy, even_split, split_policy
 
 __all__ = [
     "MeasuredMicroBatch",
@@ -156,7 +156,7 @@ class MeasuredMicroBatch:
 
     A step's peak (forward, backward and optimizer step of its largest micro-batch, with the accumulated gradients and
     the optimizer state) is modelled as ``fixed + per_sample * samples``
-    (:func:`~lightning_balanced.data_parallel.auto_split.memory_line` over the last two micro-batch sizes); the cap
+    (:func:`~lightning_balanced.split_policies.auto_split.memory_line` over the last two micro-batch sizes); the cap
     is ``floor((0.9 * capacity - fixed) / per_sample)``, at least 1. Before the first measurement: no cap.
 
     Args:
@@ -203,7 +203,7 @@ class ShareEngine:
     Args:
         name (str): the strategy's registered name, quoted in errors and reports.
         gpu0_bsz, chunk_sizes, weights, split: the split policy over the ranks
-            (:func:`~lightning_balanced.data_parallel.split_policy.split_policy`).
+            (:func:`~lightning_balanced.split_policies.split_policy.split_policy`).
         loss_reduction (str): ``"mean"`` (each rank's loss weighted by ``world_size * share / B``) or ``"sum"``
             (weighted by ``world_size``).
         max_micro_batch: the most samples a rank runs in one forward pass (see :func:`check_max_micro_batch`).

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
-from lightning_balanced.data_parallel.split_policy import SplitPolicy
+from lightning_balanced.split_policies.split_policy import SplitPolicy
 
 __all__ = ["RankShare", "ShareBatchSampler", "share_batch_sampler", "share_loader"]
 

@@ -18,10 +18,10 @@ from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool
 from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
-from lightning_balanced.data_parallel.carried_exchange import CarriedExchange
-from lightning_balanced.data_parallel.split_policy import SplitPolicy
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
+from lightning_balanced.rank_shares.carried_exchange import CarriedExchange
 from lightning_balanced.rank_shares.engine import ShareEngine, ShareStep, gathered_gpu_capacities
+from lightning_balanced.split_policies.split_policy import SplitPolicy
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
 from lightning_balanced.strategies.registration import RegisteredStrategy, register_variants
@@ -230,7 +230,7 @@ class BalancedDDPStrategy(BalancedDDP, DDPStrategy):
             ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
 
     Raises:
-        TypeError, ValueError: a bad split option (:func:`~lightning_balanced.data_parallel.split_policy.split_policy`)
+        TypeError, ValueError: a bad split option (:func:`~lightning_balanced.split_policies.split_policy.split_policy`)
             or ``loss_reduction``; at setup, a per-rank policy of the wrong length, or BatchNorm without
             ``sync_batchnorm``; when a DataLoader is set up, one the strategy cannot split
             (:func:`~lightning_balanced.rank_shares.loader.share_loader`), or several train DataLoaders.

@@ -28,7 +28,6 @@ from lightning_balanced.data_parallel import (
     parallel_apply,
     replicate,
     scatter,
-    split_policy,
     virtual_devices,
 )
 from lightning_balanced.data_parallel.barrier import ReplicaBarrier
@@ -47,10 +46,11 @@ from lightning_balanced.data_parallel.replica_context import (
     share_metrics,
 )
 from lightning_balanced.data_parallel.replicate import ReplicaParameters
-from lightning_balanced.data_parallel.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.data_parallel.virtual_device import emulated_device, emulated_step
 from lightning_balanced.evaluation.mixin import REPLICA_POSITION
 from lightning_balanced.ranks.reports import counted, rank_zero_report
+from lightning_balanced.split_policies import split_policy
+from lightning_balanced.split_policies.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
 from lightning_balanced.timing import SpanTimer
 

@@ -21,9 +21,9 @@ from typing_extensions import override
 
 from lightning_balanced.arguments import check_int
 from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
-from lightning_balanced.data_parallel.split_policy import SplitPolicy
 from lightning_balanced.pipelining.saved_bytes import SavedTensorBytes
 from lightning_balanced.rank_shares.engine import ShareEngine, ShareStep, gathered_gpu_capacities
+from lightning_balanced.split_policies.split_policy import SplitPolicy
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.registration import RegisteredStrategy
 

@@ -16,16 +16,10 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_balanced.data_parallel import (
-    gather,
-    parallel_apply,
-    plan_chunk_sizes,
-    replicate,
-    scatter,
-    virtual_devices,
-)
+from lightning_balanced.data_parallel import gather, parallel_apply, replicate, scatter, virtual_devices
 from lightning_balanced.data_parallel.replicate import ReplicaParameters
 from lightning_balanced.data_parallel.virtual_device import on_device
+from lightning_balanced.split_policies import plan_chunk_sizes
 from tests.helpers import CUDA_DEVICE_LISTS
 
 CPU = torch.device("cpu")

@@ -20,13 +20,13 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from lightning_balanced import AutoSplit, BalancedDataParallelStrategy
-from lightning_balanced.data_parallel.split_policy import proportional_split
 from lightning_balanced.data_parallel.virtual_device import (
     EmulatedDevice,
     EmulatedOutOfMemoryError,
     emulate_devices,
     emulated_step,
 )
+from lightning_balanced.split_policies.split_policy import proportional_split
 from tests.helpers import CUDA_DEVICE_LISTS, gpu_ids, quiet_trainer, raises_exactly
 from tests.strategies.test_balanced_dp import Regressor, _data
 from tests.strategies.test_balanced_dp_syncbn import EXACT, BatchNormNet

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lightning_balanced
-from lightning_balanced.data_parallel import (
+from lightning_balanced.split_policies import (
     ChunkSizes,
     EvenSplit,
     Gpu0Budget,
@@ -27,8 +27,8 @@ from lightning_balanced.data_parallel import (
 )
 from tests.helpers import raises_exactly
 
-# The module, not the function of the same name that the package `data_parallel` exports.
-split_policy_module = importlib.import_module("lightning_balanced.data_parallel.split_policy")
+# The module, not the function of the same name that the package `split_policies` exports.
+split_policy_module = importlib.import_module("lightning_balanced.split_policies.split_policy")
 
 # The planner is pure and cheap: many examples cost milliseconds.
 PROPERTY = settings(max_examples=300, deadline=None)
@@ -311,7 +311,7 @@ def test_policies_are_exported_where_the_other_public_names_are() -> None:
         assert getattr(lightning_balanced, cls.__name__) is cls
         assert getattr(split_policy_module, cls.__name__) is cls
         assert cls.__name__ in lightning_balanced.__all__
-    assert "even_split" in lightning_balanced.data_parallel.__all__
+    assert "even_split" in lightning_balanced.split_policies.__all__
 
 
 def test_an_unknown_name_of_the_module_is_still_an_attribute_error() -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_balanced.data_parallel.carried_exchange import CarriedExchange
+from lightning_balanced.rank_shares.carried_exchange import CarriedExchange
 from tests.distributed import run_distributed
 
 

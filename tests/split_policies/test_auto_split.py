@@ -130,7 +130,7 @@ def test_argument_errors(kwargs: dict, error: type[Exception], message: str) -> 
 
 
 def test_chunk_sizes_auto_is_autosplit_and_exclusive_with_gpu0_bsz() -> None:
-    from lightning_balanced.data_parallel import split_policy
+    from lightning_balanced.split_policies import split_policy
 
     assert isinstance(split_policy(chunk_sizes="auto"), AutoSplit)
     with raises_exactly(

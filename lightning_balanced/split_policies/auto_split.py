@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from lightning_balanced.arguments import check_int, check_real
-from lightning_balanced.data_parallel.split_policy import NAMED_POLICIES, SplitPolicy, even_split, proportional_split
 from lightning_balanced.ranks.reports import rank_zero_report
+from lightning_balanced.split_policies.split_policy import NAMED_POLICIES, SplitPolicy, even_split, proportional_split
 
 __all__ = ["AutoSplit", "memory_line"]
 
