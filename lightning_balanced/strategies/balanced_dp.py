@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import inspect
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -17,136 +14,33 @@ from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.nn import Module
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_balanced.data_parallel import (
     check_replicable,
-    gather,
     infer_batch_size,
-    parallel_apply,
-    replicate,
-    scatter,
     virtual_devices,
 )
-from lightning_balanced.data_parallel.barrier import ReplicaBarrier
-from lightning_balanced.data_parallel.gather import chunk_weights
 from lightning_balanced.data_parallel.replica_batchnorm import (
     SyncBatchNormLayers,
     convert_replica_batchnorm,
     revert_replica_batchnorm,
 )
-from lightning_balanced.data_parallel.replica_context import (
-    ReplicaLogRecorder,
-    SharedStep,
-    find_metrics,
-    install_manual_optimization,
-    replay_logs,
-    share_metrics,
-)
-from lightning_balanced.data_parallel.replicate import ReplicaParameters
-from lightning_balanced.data_parallel.virtual_device import emulated_device, emulated_step
-from lightning_balanced.evaluation.mixin import REPLICA_POSITION
+from lightning_balanced.data_parallel.runner import ReplicaProfile, ReplicaRunner
+from lightning_balanced.data_parallel.virtual_device import emulated_device
 from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.split_policies import split_policy
 from lightning_balanced.split_policies.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
 from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
-from lightning_balanced.timing import SpanTimer
 
 _REPORT_MEMORY_AFTER_STEPS = 3
-# Seconds a replica waits for the others at a meeting of the step's barrier (a lockstep call, a synchronized BatchNorm).
-_REPLICA_TIMEOUT_S = 120.0
 # The start of the message of torch.nn.functional._verify_batch_size: a training BatchNorm saw one value per channel.
 _BATCHNORM_ONE_VALUE_ERROR = "Expected more than 1 value per channel when training"
 
 
-class _ReplicaProfile:
-    """Each replica's step-method time and memory, for a split policy that observes (:meth:`SplitPolicy.observe`).
-
-    A :class:`~lightning_balanced.timing.SpanTimer` per replica: on CUDA two events on the replica's stream (current
-    in its thread), read after the step; elsewhere the host clock. ``peak_bytes`` is filled by the virtual CPU devices
-    (:func:`emulated_step`); the strategy reads a GPU's.
-    """
-
-    def __init__(self, count: int, on_cuda: bool) -> None:
-        device = torch.device("cuda" if on_cuda else "cpu")
-        self._timers = [SpanTimer(device) for _ in range(count)]
-        self.peak_bytes: list[int | None] = [None] * count
-
-    def measure(self, index: int) -> AbstractContextManager[None]:
-        """Time replica ``index``'s step method (a context around it)."""
-        return self._timers[index].span()
-
-    def set_seconds(self, index: int, seconds: float) -> None:
-        """Replace the host clock's time of replica ``index`` (CPU) by ``seconds``: an emulated device's own time."""
-        self._timers[index].clear()
-        self._timers[index].add_seconds(seconds)
-
-    def seconds(self) -> list[float]:
-        """Each replica's time in seconds; on CUDA the host waits here for the replicas' step methods to finish."""
-        return [timer.seconds() for timer in self._timers]
-
-
-@dataclass(frozen=True)
-class _StepCall:
-    name: str
-    inference_mode: bool
-    barrier: ReplicaBarrier
-    replica_index: int
-    device: torch.device
-    samples: int
-    resident_bytes: int = 0
-    profile: _ReplicaProfile | None = None
-
-
-class _StepDispatcher(Module):
-    """What each replica runs: the LightningModule's step method, inside the precision context.
-
-    The step is chosen by an argument rather than by patching ``forward`` on the LightningModule, so replicas, which
-    copy the module's ``__dict__``, never run the root's step. Autocast and inference mode are thread-local, so both
-    are re-entered here, on the replica's thread (torch's ``parallel_apply`` forwards only autocast's ``enabled``).
-    """
-
-    def __init__(self, module: pl.LightningModule, precision_plugin: Precision) -> None:
-        super().__init__()
-        self.module = module
-        self.precision_plugin = precision_plugin
-
-    def _step_context(self, name: str) -> AbstractContextManager[Any]:
-        contexts: dict[str, Callable[[], AbstractContextManager[Any]]] = {
-            "training_step": self.precision_plugin.train_step_context,
-            "validation_step": self.precision_plugin.val_step_context,
-            "test_step": self.precision_plugin.test_step_context,
-            "predict_step": self.precision_plugin.predict_step_context,
-        }
-        return contexts[name]()
-
-    @override
-    def forward(self, call: _StepCall, *args: Any, **kwargs: Any) -> Any:
-        profile = call.profile
-        try:
-            with torch.inference_mode(call.inference_mode), self._step_context(call.name), ExitStack() as measures:
-                if profile is not None:
-                    measures.enter_context(profile.measure(call.replica_index))
-                # A virtual CPU device as emulated (a testing aid: speed, memory), its memory read for the profile.
-                on_cpu = call.device.type == "cpu"
-                emulated = (
-                    measures.enter_context(
-                        emulated_step(call.device, call.resident_bytes, profile is not None, call.samples)
-                    )
-                    if on_cpu
-                    else None
-                )
-                result = getattr(self.module, call.name)(*args, **kwargs)
-            if profile is not None and emulated is not None:
-                profile.peak_bytes[call.replica_index] = emulated.peak_bytes
-                if emulated.seconds is not None:  # an emulated device: its own time, not the thread's wake-up
-                    profile.set_seconds(call.replica_index, emulated.seconds)
-            return result
-        except BaseException as err:
-            call.barrier.abort(call.replica_index, err)  # releases the replicas waiting for this one
-            raise
+def _one_value_per_channel(error: ValueError) -> bool:
+    """Whether ``error`` is torch's: a training BatchNorm saw one value per channel (a chunk of 1 sample)."""
+    return str(error).startswith(_BATCHNORM_ONE_VALUE_ERROR)
 
 
 class BalancedDataParallel(SingleProcess):
@@ -190,17 +84,11 @@ class BalancedDataParallel(SingleProcess):
         self.loss_reduction = loss_reduction
         self.sync_batchnorm = sync_batchnorm
         self._batchnorm_synced = False
-        self._batchnorm_layers: SyncBatchNormLayers | None = None
         self._devices: list[torch.device] = []
-        self._dispatcher: _StepDispatcher | None = None
+        self._runner: ReplicaRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._streams: list[torch.cuda.Stream] = []
-        self._metric_lock = threading.Lock()
-        self._metrics: dict[str, Metric] = {}
         self._plan_reported = False
         self._training_steps = 0
-        self._resident_bytes = 0
-        self._steps_run = 0  # dispatched steps: with the replica index, the order of DistributedEvalMixin's calls
 
     @property
     def gpu0_bsz(self) -> int | None:
@@ -238,14 +126,6 @@ class BalancedDataParallel(SingleProcess):
             self._batchnorm_synced = True
         super().setup(trainer)
         assert self.lightning_module is not None
-        self._dispatcher = _StepDispatcher(self.lightning_module, self.precision_plugin)
-        # Found once here; each step follows their paths in the replicas instead of searching the replicas' trees.
-        self._batchnorm_layers = SyncBatchNormLayers(self.lightning_module) if self._batchnorm_synced else None
-        self._metrics = find_metrics(self.lightning_module)
-        self._resident_bytes = sum(
-            t.numel() * t.element_size()
-            for t in (*self.lightning_module.parameters(), *self.lightning_module.buffers())
-        )
         if self._split_observes:
             self.split.set_capacities(self._capacities())
             self.split.set_devices(list(self._devices))
@@ -259,16 +139,25 @@ class BalancedDataParallel(SingleProcess):
         if num_devices > 1 and self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=num_devices - 1, thread_name_prefix="balanced_dp")
         # On CUDA, a stream per replica (not per device), so replicas that share a GPU still run side by side.
-        self._streams = [torch.cuda.Stream(d) for d in self._devices] if self.root_device.type == "cuda" else []
+        streams = [torch.cuda.Stream(d) for d in self._devices] if self.root_device.type == "cuda" else []
+        self._runner = ReplicaRunner(
+            self.lightning_module,
+            self.precision_plugin,
+            self._devices,
+            self.root_device,
+            self.loss_reduction,
+            # Found once here; each step follows their paths in the replicas instead of searching the replicas' trees.
+            SyncBatchNormLayers(self.lightning_module) if self._batchnorm_synced else None,
+            self._executor,
+            streams,
+        )
 
     @override
     def teardown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        self._dispatcher = None
-        self._streams = []
-        self._batchnorm_layers = None
+        self._runner = None
         if self._batchnorm_synced and self.model is not None:
             self.model = revert_replica_batchnorm(self.model)  # the user's own BatchNorm objects, trained state
             self._batchnorm_synced = False
@@ -308,132 +197,35 @@ class BalancedDataParallel(SingleProcess):
         return self.split.plan(batch_size, len(self.parallel_devices))
 
     def _data_parallel_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        module, dispatcher, devices = self.lightning_module, self._dispatcher, self._devices
-        assert module is not None and dispatcher is not None and devices
+        runner = self._runner
+        assert runner is not None
         batch_size = infer_batch_size((args, kwargs))
         planned = self.plan(batch_size)
         if step_name == "training_step":
             self._report_plan(batch_size, planned)
-        # Only devices with samples run; a batch of 0 samples runs on the root device alone, as on one device.
-        run = [i for i, size in enumerate(planned) if size > 0] or [0]
-        chunk_sizes = [planned[i] for i in run]
-        run_devices = [devices[i] for i in run]
-
-        scattered = scatter((args, kwargs), chunk_sizes, run_devices)
-        # torch's replicate broadcasts from the module's device, devices[0]: replicate there even when device 0 has no
-        # samples, and leave that replica unused.
-        replicate_to = [devices[0], *run_devices[run[0] == 0 :]]
-        try:
-            replicas = replicate(dispatcher, replicate_to, detach=not torch.is_grad_enabled())
-        except TypeError:
-            # A module compiled after setup (in a hook): the setup's error, naming it in the LightningModule.
-            check_replicable(module)
-            raise
-        replicas = replicas[1:] if run[0] != 0 else replicas
-        # The step's one barrier: the lockstep calls of manual optimization and the synchronized BatchNorm layers meet
-        # there, and a failing replica aborts it, releasing the others wherever they wait.
-        barrier = ReplicaBarrier(len(replicas), _REPLICA_TIMEOUT_S)
-        if self._batchnorm_layers is not None and batch_size > 0:  # a batch of 0 normalizes as on one device
-            self._batchnorm_layers.attach([replica.module for replica in replicas], barrier)
-        recorders = [ReplicaLogRecorder() for _ in replicas]
-        manual = step_name == "training_step" and not module.automatic_optimization
-        loss_weights = chunk_weights(chunk_sizes, self.loss_reduction) if manual else []
-        streams = [self._streams[i] for i in run] if self._streams else []
-        shared = SharedStep(
-            barrier,
-            devices[0],
-            torch.cuda.current_stream(self.root_device) if streams else None,
-            streams,
-            # Before share_metrics: the replicas are walked side by side with the dispatcher.
-            ReplicaParameters.of(dispatcher, replicas) if manual else ReplicaParameters(),
-        )
-        self._steps_run += 1
-        for i, replica in enumerate(replicas):
-            replica_module = replica.module
-            replica_module.__dict__[REPLICA_POSITION] = (self._steps_run, i)  # DistributedEvalMixin: the chunk order
-            replica_module.log = recorders[i].log  # type: ignore[method-assign]
-            share_metrics(replica_module, self._metrics, self._metric_lock, shared)
-            if manual:
-                install_manual_optimization(replica_module, module, i, shared, loss_weights[i])
-
-        inference_mode = torch.is_inference_mode_enabled()
         observed = step_name == "training_step" and self._split_observes and batch_size > 0
-        profile = _ReplicaProfile(len(replicas), self.root_device.type == "cuda") if observed else None
-        if profile is not None and self.root_device.type == "cuda":
-            for device in set(run_devices):
-                torch.cuda.reset_peak_memory_stats(device)
-        inputs = [
-            (
-                _StepCall(
-                    step_name, inference_mode, barrier, i, run_devices[i], chunk_sizes[i], self._resident_bytes, profile
-                ),
-                *a,
-            )
-            for i, (a, _) in enumerate(scattered)
-        ]
-        failure: BaseException | None = None
         try:
-            outputs = parallel_apply(
-                replicas,
-                inputs,
-                [k for _, k in scattered],
-                run_devices,
-                executor=self._executor,
-                streams=streams or None,
-            )
-        except Exception as wrapped:
-            failure = self._replica_error(wrapped, barrier, step_name, batch_size, planned, run_devices)
-        if failure is not None:
-            raise failure  # outside the handler: the replica's own exception, not chained to the wrapped copy
-        replay_logs(module, recorders, chunk_sizes)
-        gathered = gather(outputs, self.root_device, chunk_sizes, loss_reduction=self.loss_reduction)
-        if profile is not None:  # after the gather, so that device 0's peak includes the gathered outputs
+            gathered, step = runner(step_name, planned, args, kwargs, profiled=observed)
+        except ValueError as error:
+            if self._batchnorm_synced or step_name != "training_step" or not _one_value_per_channel(error):
+                raise
+            raise ValueError(
+                f"balanced_dp split a batch of {batch_size} as {planned}: a chunk of 1 sample cannot be"
+                " batch-normalized in training (BatchNorm needs more than one value per channel). Use"
+                f" `sync_batchnorm=True`, change the split ({self.split}), use a batch size of at least 2 per"
+                " device, or `drop_last=True` in the DataLoader for a short last batch."
+            ) from error
+        if step.profile is not None:  # after the gather, so that device 0's peak includes the gathered outputs
             seconds = [0.0] * len(planned)
-            for i, took in zip(run, profile.seconds(), strict=True):
+            for i, took in zip(step.run, step.profile.seconds(), strict=True):
                 seconds[i] = took
             if self._split_observes_memory:
-                self.split.observe(list(planned), seconds, peak_bytes=self._peak_bytes(profile, run))
+                self.split.observe(list(planned), seconds, peak_bytes=self._peak_bytes(step.profile, step.run))
             else:
                 self.split.observe(list(planned), seconds)
         if step_name == "training_step":
             self._report_memory()
         return gathered
-
-    def _replica_error(
-        self,
-        wrapped: Exception,
-        barrier: ReplicaBarrier,
-        step_name: str,
-        batch_size: int,
-        planned: list[int],
-        run_devices: list[torch.device],
-    ) -> BaseException:
-        """The exception to raise for a failed step: the failing replica's own, whatever path re-raised a copy.
-
-        torch's CUDA ``parallel_apply`` (and the CPU emulation, which copies it) re-raises a new exception built from
-        the message, so the original is taken from the step's barrier, where each replica's dispatcher left it.
-        """
-        found = barrier.failure()
-        if found is None:
-            return wrapped
-        index, error = found
-        if (
-            not self._batchnorm_synced
-            and step_name == "training_step"
-            and isinstance(error, ValueError)
-            and str(error).startswith(_BATCHNORM_ONE_VALUE_ERROR)
-        ):
-            relabelled = ValueError(
-                f"balanced_dp split a batch of {batch_size} as {planned}: a chunk of 1 sample cannot be"
-                " batch-normalized in training (BatchNorm needs more than one value per channel). Use"
-                f" `sync_batchnorm=True`, change the split ({self.split}), use a batch size of at least 2 per"
-                " device, or `drop_last=True` in the DataLoader for a short last batch."
-            )
-            relabelled.__cause__ = error
-            return relabelled
-        if hasattr(error, "add_note"):
-            error.add_note(f"(raised in balanced_dp replica {index} on {run_devices[index]})")
-        return error
 
     def _capacities(self) -> list[int | None]:
         """Each device's memory in bytes: a GPU's total memory shared by its replicas; a virtual device's emulated."""
@@ -441,7 +233,7 @@ class BalancedDataParallel(SingleProcess):
             return [torch.cuda.get_device_properties(d).total_memory // self._devices.count(d) for d in self._devices]
         return [None if (e := emulated_device(d)) is None else e.capacity_bytes for d in self._devices]
 
-    def _peak_bytes(self, profile: _ReplicaProfile, run: list[int]) -> list[int | None]:
+    def _peak_bytes(self, profile: ReplicaProfile, run: list[int]) -> list[int | None]:
         """Each device's memory in the step (``None`` for a device left out): a GPU's peak, a virtual device's own."""
         peaks: list[int | None] = [None] * len(self._devices)
         for k, i in enumerate(run):

@@ -474,9 +474,9 @@ class _DivergentManual(Regressor):
 @pytest.mark.parametrize("failure", ["diverge", "raise"])
 @pytest.mark.slow
 def test_manual_optimization_never_hangs_when_replicas_diverge(failure: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_balanced.strategies.balanced_dp as balanced_dp_module
+    import lightning_balanced.data_parallel.runner as runner_module
 
-    monkeypatch.setattr(balanced_dp_module, "_REPLICA_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(runner_module, "REPLICA_TIMEOUT_S", 2.0)
     trainer = _trainer(BalancedDataParallelStrategy(chunk_sizes=[4, 2, 4]), max_steps=1)
     expected = r"waited 2s \(the timeout\) at `manual_backward` for replicas \[1\]" if failure == "diverge" else "fails"
     with pytest.raises((RuntimeError, KeyError), match=expected) as info:

@@ -191,9 +191,9 @@ def test_a_replica_failing_between_two_synchronized_layers_surfaces_its_own_erro
     # The layers and the manual-optimization calls meet at the step's one barrier: the failure releases the waiting
     # replicas at once (not after the timeout), and the fit raises the failing replica's own exception, not the
     # ReplicaAborted of a released one.
-    import lightning_balanced.strategies.balanced_dp as balanced_dp_module
+    import lightning_balanced.data_parallel.runner as runner_module
 
-    monkeypatch.setattr(balanced_dp_module, "_REPLICA_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(runner_module, "REPLICA_TIMEOUT_S", 60.0)
     model = _FailsBetweenTheLayers(manual)
     strategy = BalancedDataParallelStrategy(chunk_sizes=[4, 2, 4], sync_batchnorm=True)
     start = time.monotonic()
