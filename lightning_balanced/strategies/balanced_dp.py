@@ -31,7 +31,7 @@ from lightning_balanced.data_parallel.virtual_device import emulated_device
 from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.split_policies import split_policy
 from lightning_balanced.split_policies.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
-from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
+from lightning_balanced.strategies.single_process import SingleProcess
 
 _REPORT_MEMORY_AFTER_STEPS = 3
 # The start of the message of torch.nn.functional._verify_batch_size: a training BatchNorm saw one value per channel.
@@ -65,13 +65,7 @@ class BalancedDataParallel(SingleProcess):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices_argument(parallel_devices, strategy=self.strategy_name, one_type=True),
-            cluster_environment=None,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
         if not isinstance(sync_batchnorm, bool):

@@ -30,7 +30,7 @@ from lightning_balanced.pipeline.balance import (
 from lightning_balanced.pipeline.sequential import find_sequential
 from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.strategies.placement import host_init_context, to_device_but
-from lightning_balanced.strategies.single_process import SingleProcess, parallel_devices_argument
+from lightning_balanced.strategies.single_process import SingleProcess
 
 __all__ = ["GPipeStrategy"]
 
@@ -99,6 +99,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
     """
 
     strategy_name = "gpipe"
+    one_device_type = False  # a partition may stay in host memory
 
     def __init__(
         self,
@@ -112,13 +113,7 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices_argument(parallel_devices, strategy=self.strategy_name, one_type=False),
-            cluster_environment=None,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin)
         self.balance: list[int] | str | None = balance_argument(balance)
         self.chunks: int | None = None if chunks is None else validate_chunks(chunks)
         self.checkpoint = validate_checkpoint(checkpoint)

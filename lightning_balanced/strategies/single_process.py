@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -87,7 +87,32 @@ class SingleProcess(LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase)
     first of ``parallel_devices``; ``reduce``, ``all_gather``, ``broadcast`` and ``reduce_boolean_decision`` are the
     identity and ``barrier`` does nothing. Registered like every strategy of the package (:class:`RegisteredStrategy`:
     a subclass declares its ``strategy_name``).
+
+    Args:
+        accelerator, checkpoint_io, precision_plugin: as for Lightning's ``ParallelStrategy``.
+        parallel_devices: one device per replica or partition (:func:`parallel_devices_argument`); no cluster
+            environment (one process).
     """
+
+    #: Whether ``parallel_devices`` must hold one device type (``balanced_dp``) or may mix them (``gpipe``).
+    one_device_type: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: Sequence[torch.device | str] | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices_argument(
+                parallel_devices, strategy=self.strategy_name, one_type=self.one_device_type
+            ),
+            cluster_environment=None,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
 
     @property
     @override
