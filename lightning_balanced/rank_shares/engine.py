@@ -30,9 +30,10 @@ from lightning_balanced.data_parallel.replica_context import ReplicaLogRecorder,
 from lightning_balanced.data_parallel.scatter import infer_batch_size
 from lightning_balanced.evaluation.mixin import BATCH_INDICES
 from lightning_balanced.rank_shares.carried_exchange import CarriedExchange
-from lightning_balanced.rank_shares.exchange import ExchangeLayout
+from lightning_balanced.rank_shares.exchange import ExchangeReading, share_exchange_layout
 from lightning_balanced.rank_shares.loader import RankShare, share_batch_sampler, share_loader
 from lightning_balanced.rank_shares.step_timer import StepTimer
+from lightning_balanced.ranks.exchange import ExchangeLayout
 from lightning_balanced.ranks.reports import rank_zero_report
 from lightning_balanced.split_policies.auto_split import memory_line
 from lightning_balanced.split_policies.split_policy import SplitPolicy, even_split, split_policy
@@ -595,7 +596,7 @@ class ShareEngine:
                 combined.append((name, value, options, kind))
             else:
                 module.log(name, value, **options)
-        layout = ExchangeLayout(host.world_size, len(combined))
+        layout = share_exchange_layout(host.world_size, len(combined))
         buffer = layout.new_buffer(host.root_device)
         layout.set(buffer, "samples", rank, samples)
         layout.set(buffer, "batch_digest", rank, share.digest)
@@ -608,7 +609,7 @@ class ShareEngine:
         if timed is not None:
             layout.set(buffer, "seconds", rank, timed[0])
             layout.set(buffer, "peak_bytes", rank, -1 if timed[1] is None else timed[1])
-        values = layout.value_slots(buffer)
+        values = layout.extra(buffer)
         for k, (_, value, _, kind) in enumerate(combined):
             if samples:
                 weight = share_weight(samples, share.global_size, "mean" if kind == "mean" else "sum")
@@ -634,10 +635,10 @@ class ShareEngine:
                 dist.all_reduce(buffer)
             else:
                 buffer = carried
-        reading = exchange.layout.read(buffer)
+        reading = ExchangeReading.of(exchange.layout, buffer)
         self._check_agreement(reading.samples, reading.batch_digest, share)
         self._rank_caps = reading.micro_batch_cap
-        values = exchange.layout.value_slots(buffer)
+        values = exchange.layout.extra(buffer)
         for k, (name, options) in enumerate(exchange.logged):
             module.log(name, values[k], **{**options, "batch_size": share.global_size, "sync_dist": False})
         if exchange.timed_plan is None:

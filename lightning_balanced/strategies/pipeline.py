@@ -54,6 +54,7 @@ from lightning_balanced.pipelining.stage_plan import (
     stage_owners,
 )
 from lightning_balanced.pipelining.step_exchange import SharedGradients, mark_non_finite, non_finite, pack_moments
+from lightning_balanced.ranks.exchange import ExchangeLayout
 from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.ranks.stop_notices import StopNotices
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
@@ -689,17 +690,19 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         # "has a gradient": [busy | loss | step | non-finite | flags | gradients]. The others' slots are zeros, so
         # the sums are exact (a float32 or float16 gradient round-trips through float64 unchanged), and every rank
         # derives the same bubbles, the same shared gradients and the same decision to skip the step.
-        p = self.pipeline_size
-        shared_grads = SharedGradients(shared, offset=2 * p + 2)
-        report = torch.zeros(shared_grads.end, dtype=torch.float64, device=self.root_device)
+        p, rank = self.pipeline_size, self.pipeline_rank
+        fields = {"busy_s": p, "loss": 1, "step_s": p, "non_finite": 1}
+        shared_grads = SharedGradients(shared, offset=sum(fields.values()))
+        layout = ExchangeLayout(fields, extra=shared_grads.end - shared_grads.flags)
+        report = layout.new_buffer(self.root_device)
         if self._timer is not None:
-            report[self.pipeline_rank] = self._timer.busy_seconds()
-            report[p + 1 + self.pipeline_rank] = self._timer.step_seconds()
+            layout.set(report, "busy_s", rank, self._timer.busy_seconds())
+            layout.set(report, "step_s", rank, self._timer.step_seconds())
         for micro_batch_loss in self._micro_batch_losses:
-            report[p] += micro_batch_loss.to(report)
+            layout.field(report, "loss").add_(micro_batch_loss.to(report))
         scaled = getattr(self.precision_plugin, "scaler", None) is not None
         if scaled:
-            report[2 * p + 1] = non_finite([param.grad for param in own])
+            layout.set(report, "non_finite", 0, non_finite([param.grad for param in own]))
         shared_grads.pack(report)
         assert self._pp_group is not None
         dist.all_reduce(report, group=self._pp_group)
@@ -713,19 +716,20 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         # One read from the device, for the bubbles, the non-finite flag and the shared gradients' flags.
         head = report[: shared_grads.values].tolist() if self._timer is not None or shared or scaled else []
         shared_grads.unpack(report, head)
-        if scaled and head[2 * p + 1] > 0:
+        read = layout.unpack(head) if head else {}
+        if scaled and read["non_finite"][0] > 0:
             mark_non_finite(own)
         self._step_grads = [(param, param.grad) for param in trained if param.grad is not None]
         for param, grad in zip(trained, previous, strict=True):
             param.grad = grad
         module = self.lightning_module
         assert module is not None
-        loss = report[p]
+        loss = layout.field(report, "loss")[0]
         module.log("train_loss", loss, prog_bar=True, batch_size=batch_size)
         if self._timer is not None:
             # The step ends when the last rank of the pipeline is done: a rank that finishes early waits in the bubble.
-            step_s = max(head[p + 1 : 2 * p + 1])
-            self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in head[:p]], batch_size)
+            step_s = max(read["step_s"])
+            self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in read["busy_s"]], batch_size)
         return loss
 
     def _commit_batch_norms(self, layers: list[DeferredBatchNorm]) -> None:
