@@ -1,19 +1,30 @@
 """The pieces of ``strategy="pipeline"``'s step reduction, packed into the one buffer the step all-reduces.
 
-Shared parameters' gradients, BatchNorm moments and the found-inf flag, in float64 over the pipeline.
+Shared parameters' gradients, BatchNorm moments and the found-inf flag, in float64 over the pipeline; the running
+statistics' commit from those moments, and gradient clipping by the norm over every stage.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_balanced.nn.moments import Moments
+from lightning_balanced.nn.moments import Moments, combine_moments
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 
-__all__ = ["SharedGradients", "mark_non_finite", "non_finite", "pack_moments"]
+__all__ = [
+    "SharedGradients",
+    "clip_grad_by_global_norm",
+    "commit_running_statistics",
+    "mark_non_finite",
+    "non_finite",
+    "pack_moments",
+]
 
 
 class SharedGradients:
@@ -79,3 +90,69 @@ def pack_moments(layer: DeferredBatchNorm, total: Moments | None, device: torch.
     if total is None:
         return torch.zeros(1 + 2 * channels, dtype=torch.float64, device=device)
     return torch.cat([total.count.reshape(1), total.mean, total.m2]).to(device=device, dtype=torch.float64)
+
+
+def commit_running_statistics(
+    layers: list[DeferredBatchNorm], group: Any, data_parallel_size: int, device: torch.device
+) -> None:
+    """Update each layer's running statistics once, from every micro-batch of the (global) mini-batch.
+
+    With data parallelism (``data_parallel_size > 1``) the moments of the replicas' micro-batches are merged (one
+    all_gather over ``group`` for all the layers, Chan et al.'s formula), so every replica updates alike, as one
+    process would from the global batch.
+    """
+    if not layers:
+        return
+    totals = [layer.tracked() for layer in layers]
+    if data_parallel_size > 1:
+        packed = torch.cat([pack_moments(layer, total, device) for layer, total in zip(layers, totals, strict=True)])
+        gathered = [torch.empty_like(packed) for _ in range(data_parallel_size)]
+        dist.all_gather(gathered, packed, group=group)
+        rows = torch.stack(gathered)
+        starts = [0]
+        for layer in layers:
+            starts.append(starts[-1] + 1 + 2 * layer.num_features)
+        seen = rows[:, starts[:-1]].sum(0).tolist()  # each layer's samples over the replicas: one device read
+        merged: list[Moments | None] = []
+        for layer, start, samples in zip(layers, starts, seen, strict=False):
+            channels = layer.num_features
+            part = rows[:, start : start + 1 + 2 * channels]
+            count, mean, m2 = part[:, 0], part[:, 1 : 1 + channels], part[:, 1 + channels :]
+            merged.append(combine_moments(count, mean, m2) if samples > 0 else None)
+        totals = merged
+    for layer, total in zip(layers, totals, strict=True):
+        if total is None:
+            layer.reset_accumulator()
+        else:
+            layer.commit(total)
+
+
+def clip_grad_by_global_norm(
+    own: Sequence[nn.Parameter],
+    shared: Sequence[nn.Parameter],
+    counts_shared: bool,
+    group: Any,
+    clip_val: float,
+    device: torch.device,
+) -> None:
+    """``clip_grad_norm_`` over a pipeline: the norm of every stage's gradients, each rank holding its stages' only.
+
+    Args:
+        own: this rank's stages' parameters.
+        shared: the parameters outside the stages (the same gradients on every pipeline rank).
+        counts_shared (bool): whether this rank adds the shared gradients to the norm (one rank of the pipeline).
+        group: the pipeline's process group, over which the squared norms are summed.
+        clip_val (float): the largest norm.
+        device (torch.device): the rank's device, where the norm is summed (the process group's device).
+    """
+    grads = [p.grad for p in own if p.grad is not None]
+    shared_grads = [p.grad for p in shared if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in [*grads, *(shared_grads if counts_shared else [])]:
+        local += grad.detach().double().pow(2).sum().to(local.device)
+    dist.all_reduce(local, group=group)
+    total = math.sqrt(local.item())
+    coefficient = clip_val / (total + 1e-6)
+    if coefficient < 1:
+        for grad in [*grads, *shared_grads]:
+            grad.detach().mul_(coefficient)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,7 +24,6 @@ from typing_extensions import override
 
 from lightning_balanced.arguments import check_bool, check_int, check_module_name
 from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
-from lightning_balanced.nn.moments import Moments, combine_moments
 from lightning_balanced.pipeline.balance import (
     BalanceChoice,
     balance_argument,
@@ -53,7 +51,13 @@ from lightning_balanced.pipelining.stage_plan import (
     stage_layers,
     stage_owners,
 )
-from lightning_balanced.pipelining.step_exchange import SharedGradients, mark_non_finite, non_finite, pack_moments
+from lightning_balanced.pipelining.step_exchange import (
+    SharedGradients,
+    clip_grad_by_global_norm,
+    commit_running_statistics,
+    mark_non_finite,
+    non_finite,
+)
 from lightning_balanced.ranks.exchange import ExchangeLayout
 from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.ranks.stop_notices import StopNotices
@@ -683,7 +687,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         for param, grad in zip(shared, self._loss_parameter_grads, strict=True):
             param.grad = grad  # what _loss took, not what the schedule's backward may have added
         self._loss_parameter_grads = []
-        self._commit_batch_norms(deferred)
+        commit_running_statistics(deferred, self._dp_group, self.data_parallel_size, self.root_device)
         # One all_reduce over the pipeline carries each rank's compute time, the loss (float64 on every rank: only the
         # last stage's rank knows the loss's own dtype), each rank's step time, whether its stages' gradients hold an
         # inf or NaN (16-mixed), and the gradients of the parameters outside the nn.Sequential with a flag each for
@@ -731,40 +735,6 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
             step_s = max(read["step_s"])
             self._log_bubble(module, [bubble(busy_s, step_s) for busy_s in read["busy_s"]], batch_size)
         return loss
-
-    def _commit_batch_norms(self, layers: list[DeferredBatchNorm]) -> None:
-        """Update each layer's running statistics once, from every micro-batch of the (global) mini-batch.
-
-        With data parallelism the moments of the ``d`` replicas' micro-batches are merged (one all_gather over ``dp``
-        for all of this rank's layers, Chan et al.'s formula), so every replica updates alike, as one process would
-        from the global batch.
-        """
-        if not layers:
-            return
-        totals = [layer.tracked() for layer in layers]
-        if self.data_parallel_size > 1:
-            packed = torch.cat(
-                [pack_moments(layer, total, self.root_device) for layer, total in zip(layers, totals, strict=True)]
-            )
-            gathered = [torch.empty_like(packed) for _ in range(self.data_parallel_size)]
-            dist.all_gather(gathered, packed, group=self._dp_group)
-            rows = torch.stack(gathered)
-            starts = [0]
-            for layer in layers:
-                starts.append(starts[-1] + 1 + 2 * layer.num_features)
-            seen = rows[:, starts[:-1]].sum(0).tolist()  # each layer's samples over the replicas: one device read
-            merged: list[Moments | None] = []
-            for layer, start, samples in zip(layers, starts, seen, strict=False):
-                channels = layer.num_features
-                part = rows[:, start : start + 1 + 2 * channels]
-                count, mean, m2 = part[:, 0], part[:, 1 : 1 + channels], part[:, 1 + channels :]
-                merged.append(combine_moments(count, mean, m2) if samples > 0 else None)
-            totals = merged
-        for layer, total in zip(layers, totals, strict=True):
-            if total is None:
-                layer.reset_accumulator()
-            else:
-                layer.commit(total)
 
     def _log_bubble(self, module: pl.LightningModule, bubbles: list[float], batch_size: int) -> None:
         """Each pipeline rank's idle fraction of the step, their mean (progress bar) and the schedule's formula."""
@@ -831,19 +801,10 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
     # ---- gradient clipping -----------------------------------------------------------------------------------------
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` with the norm over every stage's gradients (each rank holds its stages' only)."""
-        grads = [p.grad for p in self._own_parameters() if p.grad is not None]
-        shared = [p.grad for p in self._shared_parameters() if p.grad is not None]  # the same on every pipeline rank
-        local = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        for grad in [*grads, *(shared if self.pipeline_rank == 0 else [])]:
-            local += grad.detach().double().pow(2).sum().to(local.device)
         with self.naming_a_lost_peer("clipping the gradients"):
-            dist.all_reduce(local, group=self._pp_group)
-        grads += shared
-        total = math.sqrt(local.item())
-        coefficient = clip_val / (total + 1e-6)
-        if coefficient < 1:
-            for grad in grads:
-                grad.detach().mul_(coefficient)
+            own, shared = self._own_parameters(), self._shared_parameters()
+            first = self.pipeline_rank == 0
+            clip_grad_by_global_norm(own, shared, first, self._pp_group, clip_val, self.root_device)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def _share_stages(self) -> None:
