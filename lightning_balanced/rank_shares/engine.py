@@ -10,6 +10,7 @@ synchronization, and the base class's (unweighted) backward.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -125,7 +126,8 @@ class ShareStep:
 
     Written once for every strategy that owns a :class:`ShareEngine` as ``self.shares``: in the class body,
     ``training_step = ShareStep()``. The base class's method is the next one after the class the attribute is set in
-    (``super(owner, self)``), as a ``super().training_step`` written there would find.
+    (``super(owner, self)``), as a ``super().training_step`` written there would find; a strategy with a
+    ``redirected_step(name, *args, **kwargs)`` method runs the step through it instead.
     """
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -135,6 +137,9 @@ class ShareStep:
         if instance is None:
             return self
         base = getattr(super(self._owner, instance), self._name)
+        redirect = getattr(instance, "redirected_step", None)
+        if redirect is not None:
+            base = functools.partial(redirect, self._name)
 
         def step(*args: Any, **kwargs: Any) -> Any:
             return instance.shares.step(self._name, base, args, kwargs)

@@ -36,6 +36,15 @@ FSDP2_TORCH = (2, 6)
 FSDP2_CPU_TORCH = (2, 13)
 
 
+# The precision plugin's context of each step method, as Lightning's Strategy enters it.
+_STEP_CONTEXTS = {
+    "training_step": "train_step_context",
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}
+
+
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
@@ -324,6 +333,18 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
     validation_step = ShareStep()
     test_step = ShareStep()
     predict_step = ShareStep()
+
+    def redirected_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The LightningModule's step method ``name`` inside a call of the root module, in its precision context.
+
+        FSDP2 unshards the root's own parameters (those outside the sharded blocks) in the root module's forward
+        hooks; a ``training_step`` that calls a submodule (``self.blocks(x)``) and not ``self(x)`` would meet them
+        sharded. So the step runs as the root's forward (Lightning's forward redirection, which its ``FSDPStrategy``
+        uses through its wrapper), and a ``self(x)`` inside it is a nested call FSDP2 lets through.
+        """
+        assert self.model is not None and self.lightning_module is not None
+        with getattr(self.precision_plugin, _STEP_CONTEXTS[name])():
+            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -79,6 +79,16 @@ class Regressor(DistributedEvalMixin, pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class CallsItsBlocks(Regressor):
+    """A training_step that calls the blocks, not ``self(x)``: the root's own parameters still train."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.blocks(x) * self.scale, y)
+        self.log("train_loss", loss)
+        return loss
+
+
 class ShardedInConfigureModel(Regressor):
     """Shards itself, as under Lightning's ModelParallelStrategy (with a mixed-precision policy, if given)."""
 
@@ -126,11 +136,13 @@ _RUNS: list[dict[str, Any]] = [
     {"strategy": {"chunk_sizes": [2, 6], "max_micro_batch": 4}, "optimizer": "adam"},
     {"strategy": {"chunk_sizes": [5, 3]}, "model": "configure_model"},
     {"strategy": {"chunk_sizes": [3, 5], "max_micro_batch": "auto"}},  # no cap measured on CPU ranks: whole shares
+    {"strategy": {"chunk_sizes": [6, 2]}, "model": "blocks"},
 ]
 
 
 def _fit(strategy: Any, devices: int, run: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
-    model_class = {"configure_model": ShardedInConfigureModel, "mixed": MixedPrecision}.get(run.get("model", ""))
+    models = {"configure_model": ShardedInConfigureModel, "mixed": MixedPrecision, "blocks": CallsItsBlocks}
+    model_class = models.get(run.get("model", ""))
     model = (model_class or Regressor)(run.get("optimizer", "sgd"))
     options = {"max_steps": 3, **run.get("trainer", {})}
     trainer = quiet_trainer(strategy, devices, **options)
@@ -146,7 +158,7 @@ def _fit(strategy: Any, devices: int, run: dict[str, Any], checkpoint: str | Non
 def _fit_rank(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results = []
     for run in runs:
-        shard = () if run.get("model") else (Block,)
+        shard = () if run.get("model") in ("configure_model", "mixed") else (Block,)
         results.append(_fit(BalancedFSDPStrategy(shard_modules=shard, **run["strategy"]), world_size, run))
     return results
 
@@ -162,7 +174,7 @@ def _assert_trained_as(result: dict[str, Any], reference: dict[str, Any]) -> Non
 def test_uneven_shares_train_as_one_process_on_the_global_batch() -> None:
     ranks = run_distributed(_fit_rank, 2, _RUNS, timeout_s=600)
     for index, run in enumerate(_RUNS):
-        reference = _fit("auto", 1, {k: v for k, v in run.items() if k != "model"})
+        reference = _fit("auto", 1, {k: v for k, v in run.items() if k != "model" or v == "blocks"})
         for rank in ranks:
             _assert_trained_as(rank[index], reference)
 
