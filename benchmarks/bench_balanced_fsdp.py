@@ -11,7 +11,9 @@ blocks (``fully_shard`` per block, then the root) on a global batch of ``--batch
 2. **Split** (``--speeds``, default ``1:2``): rank ``r`` sleeps ``k_r * --seconds-per-sample * share`` in its
    ``training_step``, a stand-in for a slower GPU's per-sample device time (as ``bench_balanced_ddp.py``).
    ``balanced_fsdp`` with ``chunk_sizes="auto"`` against the even split and against ``ModelParallelStrategy`` (which
-   can only split evenly): throughput ratios (goal ``auto / even >= 1.3`` at 1:2).
+   can only split evenly): throughput ratios. Measured on 2026-12-07: about 1.0, since FSDP2's per-block
+   collectives make the faster rank wait for the slower inside its step method, and both measure the same time
+   (docs/balanced_fsdp.md); the goal (``auto / even >= 1.3`` at 1:2, as ``balanced_ddp`` reaches) is not met.
 
 Ends with one line: ``overhead_vs_fsdp=... aa_noise=... auto_over_even=... auto_over_fsdp=...``.
 

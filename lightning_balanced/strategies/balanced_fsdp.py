@@ -87,7 +87,9 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
 
     Args:
         gpu0_bsz, chunk_sizes, weights, split: the split policy over the ranks, as ``BalancedDDPStrategy``'s
-            (``chunk_sizes="auto"``: measured speeds, and memory: see ``capacities``).
+            (``chunk_sizes="auto"``: measured speeds, and memory: see ``capacities``). FSDP2's per-block collectives
+            make a faster rank wait for the slowest inside its step, so the measured speeds come out nearly equal:
+            for ranks of different speeds give ``weights`` or ``chunk_sizes``; ``"auto"`` still caps by memory.
         loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` (weighted by share) or ``"sum"``.
         max_micro_batch: the most samples a rank runs in one forward pass (an int, one per rank, or ``"auto"``: on
             CUDA each rank's cap measured from its peak memory as under ``balanced_ddp``, exchanged in the step's
