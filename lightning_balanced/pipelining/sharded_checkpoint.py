@@ -30,8 +30,12 @@ __all__ = [
     "consolidate_checkpoint",
     "flat_optimizer_state",
     "is_sharded_checkpoint",
+    "keep_own_optimizer_state",
     "load_sharded_checkpoint",
+    "merged_optimizer_state",
+    "owned_state_names",
     "save_sharded_checkpoint",
+    "to_host",
 ]
 
 #: The file of the non-tensor part, as Lightning's ``ModelParallelStrategy`` names it.
@@ -43,6 +47,57 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a directory holding a sharded checkpoint (its ``meta.pt``)."""
     path = Path(path)
     return path.is_dir() and (path / METADATA_FILENAME).is_file()
+
+
+def owned_state_names(state_dict: Mapping[str, Tensor], module_name: str, layers: set[int] | None) -> set[str]:
+    """The ``state_dict`` names a rank saves in a sharded checkpoint: its layers' and what is outside the pipeline.
+
+    Args:
+        state_dict: the LightningModule's ``state_dict``.
+        module_name (str): the attribute of the pipelined ``nn.Sequential`` (its entries are ``<module_name>.<i>...``).
+        layers (set[int] | None): the indices of the rank's layers; ``None`` (no stages: after ``fit`` every rank holds
+            the whole model) for every name not on the meta device.
+    """
+    if layers is None:
+        return {name for name, tensor in state_dict.items() if not tensor.is_meta}
+    prefix = f"{module_name}."
+    return {
+        name
+        for name in state_dict
+        if not name.startswith(prefix) or int(name[len(prefix) :].partition(".")[0]) in layers
+    }
+
+
+def merged_optimizer_state(gathered: Iterable[dict[int, Any] | None]) -> dict[int, Any]:
+    """One optimizer ``state`` from the pipeline ranks' parts (each holds its stages' parameters' entries)."""
+    merged: dict[int, Any] = {}
+    for part in gathered:
+        merged.update(part or {})
+    return merged
+
+
+def to_host(value: Any) -> Any:
+    """``value`` with its tensors detached on the CPU (through dicts), to travel as an object."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    return value
+
+
+def keep_own_optimizer_state(optimizer: Optimizer, state: dict[str, Any], own: set[int]) -> None:
+    """Load ``state`` into ``optimizer``, then keep only the entries of the parameters in ``own`` (by ``id``).
+
+    A rank holds the optimizer state of its stages only; the kept tensors move to their parameters' devices.
+    """
+    optimizer.load_state_dict(state)
+    for param in list(optimizer.state):
+        if id(param) not in own:
+            del optimizer.state[param]
+            continue
+        for key, value in optimizer.state[param].items():
+            if isinstance(value, Tensor) and key != "step":
+                optimizer.state[param][key] = value.to(param.device)
 
 
 def flat_optimizer_state(optimizer: Optimizer, names: Mapping[int, str], owned: set[int]) -> dict[str, Any]:

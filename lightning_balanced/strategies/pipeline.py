@@ -41,8 +41,12 @@ from lightning_balanced.pipelining.runtime import Activation, PipelineRuntime, S
 from lightning_balanced.pipelining.sharded_checkpoint import (
     flat_optimizer_state,
     is_sharded_checkpoint,
+    keep_own_optimizer_state,
     load_sharded_checkpoint,
+    merged_optimizer_state,
+    owned_state_names,
     save_sharded_checkpoint,
+    to_host,
 )
 from lightning_balanced.pipelining.stage_plan import (
     ScheduleSpec,
@@ -847,15 +851,8 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         """
         module = self.lightning_module
         assert module is not None
-        if not self._stages:  # what is not on the meta device: everything, unless the model was built there
-            return {name for name, tensor in module.state_dict().items() if not tensor.is_meta}
         layers = {layer for stage in self._stages for layer in stage_layers(self._balance, stage)}
-        prefix = f"{self.module_name}."
-        return {
-            name
-            for name in module.state_dict()
-            if not name.startswith(prefix) or int(name[len(prefix) :].partition(".")[0]) in layers
-        }
+        return owned_state_names(module.state_dict(), self.module_name, layers if self._stages else None)
 
     def _parameter_names(self) -> dict[int, str]:
         module = self.lightning_module
@@ -882,14 +879,11 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         if self._pp_group is None or not dist.is_initialized():
             return state
         own_state: dict[int, Any] = state["state"]  # type: ignore[assignment]
-        local = {index: _to_host(value) for index, value in own_state.items()}
+        local = {index: to_host(value) for index, value in own_state.items()}
         gathered: list[dict[int, Any] | None] = [None] * self.pipeline_size
         with self.naming_a_lost_peer("gathering the optimizer state"):
             dist.all_gather_object(gathered, local, group=self._pp_group)
-        merged: dict[int, Any] = {}
-        for part in gathered:
-            merged.update(part or {})
-        return {**state, "state": merged}
+        return {**state, "state": merged_optimizer_state(gathered)}
 
     @override
     def save_checkpoint(
@@ -944,14 +938,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         """Each optimizer's state, kept for this rank's stages only, on their device."""
         own = {id(p) for p in self._own_parameters()}
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
-            optimizer.load_state_dict(state)
-            for param in list(optimizer.state):
-                if id(param) not in own:
-                    del optimizer.state[param]
-                    continue
-                for key, value in optimizer.state[param].items():
-                    if isinstance(value, Tensor) and key != "step":
-                        optimizer.state[param][key] = value.to(param.device)
+            keep_own_optimizer_state(optimizer, state, own)
 
 
 def _is_tensor_tuple(value: Any) -> bool:
@@ -966,11 +953,3 @@ def _described(value: Any) -> str:
 
 def _to(x: Activation, device: torch.device) -> Activation:
     return tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
-
-
-def _to_host(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_host(v) for k, v in value.items()}
-    return value
