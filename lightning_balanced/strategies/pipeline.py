@@ -27,13 +27,10 @@ from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLo
 from lightning_balanced.pipeline.balance import (
     BalanceChoice,
     balance_argument,
-    choose_balance,
-    even_balance,
-    layer_parameters,
-    split_costs,
 )
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.sequential import find_sequential
+from lightning_balanced.pipelining.balance_choice import pipeline_balance
 from lightning_balanced.pipelining.bubble import BusyTimer, bubble
 from lightning_balanced.pipelining.materialize import is_on_meta, materialize, materialize_layers
 from lightning_balanced.pipelining.precision import with_global_norm_clipping
@@ -421,18 +418,21 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
                 f"`{self.module_name}` has {len(sequential)} layers, fewer than the {num_stages} stages"
                 f" ({p} ranks x {k} stages per rank)"
             )
-        self._balance_method = "given"
-        if self.balance is None:
-            balance = even_balance(len(sequential), num_stages)
-            self._balance_method = "even by layer count"
-        elif isinstance(self.balance, str):
-            balance = self._chosen_balance(module, sequential, num_stages, self.balance)
-        else:
-            balance = list(self.balance)
-            if len(balance) != num_stages:
-                raise ValueError(
-                    f"`balance` {balance} must hold one entry per stage: {num_stages} ({p} ranks x {k} stages per rank)"
-                )
+        balance, self._balance_method = pipeline_balance(
+            self.balance,
+            sequential,
+            num_stages,
+            example=getattr(module, "example_input_array", None),
+            chunks=self.chunks,
+            device=self.root_device,
+            global_rank=self.global_rank,
+            module_name=self.module_name,
+            owner=type(module).__name__,
+        )
+        if len(balance) != num_stages:
+            raise ValueError(
+                f"`balance` {balance} must hold one entry per stage: {num_stages} ({p} ranks x {k} stages per rank)"
+            )
         self._balance = balance
         self._owners = stage_owners(p, k, self.schedule.placement)
         mine = stage_indices(self.pipeline_rank, p, k, self.schedule.placement)
@@ -457,44 +457,6 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._timer = BusyTimer(self.root_device) if self.log_bubble else None
         self._pipelined = _PipelinedSequential(sequential, self)
         setattr(module, self.module_name, self._pipelined)
-
-    def _chosen_balance(
-        self, module: pl.LightningModule, sequential: nn.Sequential, num_stages: int, choice: BalanceChoice
-    ) -> list[int]:
-        """``balance`` by name, with :func:`~lightning_balanced.pipeline.balance.choose_balance` as ``gpipe`` chooses.
-
-        ``"parameters"`` (and ``"auto"`` for a model on the meta device) from the layers' parameter counts, the same
-        on every rank. A measured cost (``"time"``, ``"memory"``, ``"auto"``) on the global rank 0, on its device, one
-        layer at a time with one micro-batch of the LightningModule's ``example_input_array``; every rank then uses
-        rank 0's balance (one ``broadcast_object_list``). ``"auto"`` without ``example_input_array`` counts parameters.
-        """
-        on_meta = is_on_meta(sequential)
-        example = getattr(module, "example_input_array", None)
-        if choice == "parameters" or (choice == "auto" and (on_meta or example is None)):
-            self._balance_method = "parameters" + (
-                "" if choice == "parameters" else " (no example_input_array)" if example is None else " (meta device)"
-            )
-            return split_costs(layer_parameters(list(sequential)), num_stages)
-        if on_meta:
-            raise ValueError(
-                f"`balance`={choice!r} measures each layer on a device, but `{self.module_name}` was built on the meta"
-                " device: use `balance='parameters'` or a list"
-            )
-        if example is None:
-            raise ValueError(
-                f"`balance`={choice!r} measures each layer on a micro-batch: set `example_input_array` on"
-                f" {type(module).__name__} (an input batch of the first stage), or use `balance='parameters'` or a list"
-            )
-        if choice == "memory" and self.root_device.type != "cuda":
-            raise ValueError(f"`balance`='memory' measures CUDA memory, but the device is {self.root_device}")
-        chosen: list[Any] = [None, None]
-        if self.global_rank == 0:
-            size = max(first_tensor(example).shape[0] // self.chunks, 1)
-            micro = tuple(t[:size] for t in example) if isinstance(example, tuple) else example[:size]
-            chosen = list(choose_balance(list(sequential), micro, num_stages, self.root_device, choice))
-        dist.broadcast_object_list(chosen, src=0)
-        balance, self._balance_method = chosen
-        return list(balance)
 
     def _materialize_own_layers(self, module: pl.LightningModule, sequential: nn.Sequential, mine: list[int]) -> None:
         """A model built on the meta device: this rank's stages' layers, and what is outside the Sequential, get memory.
