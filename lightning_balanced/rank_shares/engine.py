@@ -282,20 +282,19 @@ class ShareEngine:
 
     def attach(
         self,
-        host: ShareHost,
         no_sync: Callable[[], AbstractContextManager[Any]],
         backward: Callable[[Tensor], Any],
         capacities: list[int | None] | None,
     ) -> None:
-        """Start a run: the strategy, how it runs a micro-batch without synchronizing, and its unweighted backward.
+        """Start a run, in the strategy's setup (after :meth:`bind`).
 
         Args:
-            host: the strategy.
             no_sync: a context in which a backward pass accumulates gradients locally (DDP's ``no_sync``).
             backward: the base strategy's backward of a loss (no share weight applied).
             capacities: each rank's memory in bytes for the split policy (``None``: unknown).
         """
-        self._host, self._no_sync, self._backward = host, no_sync, backward
+        host = self.host
+        self._no_sync, self._backward = no_sync, backward
         self._timer = StepTimer(host.root_device)
         self._timed_plan, self._pending, self._micro_batch_grads = None, None, []
         self._measured_micro_batch, self._largest_forward, self._rank_caps = None, 0, None

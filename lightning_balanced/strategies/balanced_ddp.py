@@ -129,7 +129,6 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
         super().setup(trainer)
         observes_gpus = self.shares.observes and self.root_device.type == "cuda"
         self.shares.attach(
-            self,
             no_sync=lambda: self.model.no_sync(),  # type: ignore[union-attr, operator]
             backward=lambda loss: super(BalancedDDP, self).backward(loss, None),
             capacities=gathered_gpu_capacities(self) if observes_gpus else None,

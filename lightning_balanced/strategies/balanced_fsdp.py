@@ -250,7 +250,6 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
             _optimizers_to_device(self.optimizers, self.root_device)
         self.shares.host_peak = None if self.root_device.type == "cuda" else self._host_peak
         self.shares.attach(
-            self,
             no_sync=self._no_sync,
             backward=lambda loss: super(BalancedFSDPStrategy, self).backward(loss, None),
             capacities=self._capacities() if self.shares.observes else None,
