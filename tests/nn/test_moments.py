@@ -71,9 +71,14 @@ def test_float64_parts_combine_to_full_batch_moments(batch: tuple[torch.Tensor, 
 def test_float32_parts_keep_the_variance_at_large_mean_over_std(batch: tuple[torch.Tensor, list[int], float]) -> None:
     x, sizes, _ = batch
     ref_var, ref_mean = torch.var_mean(x.double(), dim=_DIMS, correction=0)
-    for dtype, rtol in ((None, 2e-3), (torch.float64, 1e-6)):
+    # float32 parts: 2e-3 up to the design bound |mean| / std = 1e4; beyond it (a draw of a few samples can have a
+    # tenth of the generating std) the parts' float32 means carry half an ulp of |mean| each, so the bound grows as
+    # eps * |mean| / std (seen: 0.9 % at |mean| / std = 2e5 with 3 samples, where the bound is 2.5 %).
+    float32_rtol = torch.clamp(torch.finfo(torch.float32).eps * ref_mean.abs() / ref_var.sqrt(), min=2e-3)
+    for dtype, rtol in ((None, float32_rtol), (torch.float64, torch.full_like(ref_var, 1e-6))):
         got = _combined(x, sizes, dtype)
-        torch.testing.assert_close(got.variance().double(), ref_var, rtol=rtol, atol=0)
+        error = (got.variance().double() - ref_var).abs()
+        assert (error <= rtol * ref_var).all(), (dtype, error / ref_var, rtol)
         # float32 means: half an ulp of |mean|, plus rounding of the sums.
         assert ((got.mean.double() - ref_mean).abs() <= 1e-6 * ref_mean.abs() + 1e-5 * ref_var.sqrt()).all()
 
