@@ -11,7 +11,6 @@ synchronization, and the base class's (unweighted) backward.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -37,7 +36,13 @@ from lightning_balanced.rank_shares.step_timer import StepTimer
 from lightning_balanced.ranks.exchange import ExchangeLayout
 from lightning_balanced.ranks.reports import rank_zero_report
 from lightning_balanced.split_policies.auto_split import memory_line
-from lightning_balanced.split_policies.split_policy import SplitPolicy, even_split, split_policy
+from lightning_balanced.split_policies.split_policy import (
+    SplitPolicy,
+    even_split,
+    learns_from_steps,
+    observes_peak_bytes,
+    split_policy,
+)
 
 __all__ = [
     "MeasuredMicroBatch",
@@ -45,7 +50,6 @@ __all__ = [
     "ShareStep",
     "check_max_micro_batch",
     "gathered_gpu_capacities",
-    "observes",
 ]
 
 _STEP_LOADERS = {
@@ -69,18 +73,6 @@ class ShareHost(Protocol):
     def root_device(self) -> torch.device: ...
     @property
     def lightning_module(self) -> pl.LightningModule | None: ...
-
-
-def observes(policy: SplitPolicy) -> bool:
-    """Whether ``policy`` learns from the steps (overrides ``observe``): only then are the steps timed."""
-    return type(policy).observe is not SplitPolicy.observe
-
-
-def _takes_peaks(policy: SplitPolicy) -> bool:
-    """Whether ``policy.observe`` takes the third argument, ``peak_bytes`` (a policy may leave it out)."""
-    parameters = inspect.signature(policy.observe).parameters.values()
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
 def check_max_micro_batch(
@@ -262,6 +254,7 @@ class ShareEngine:
         self._largest_forward = 0
         self._rank_caps: list[int | None] | None = None  # every rank's measured cap, from the last exchange
         self._seed: int | None = None
+        self._observe_peaks = False
 
     @property
     def host(self) -> ShareHost:
@@ -273,7 +266,7 @@ class ShareEngine:
     @property
     def observes(self) -> bool:
         """Whether the split policy learns from the steps: only then are they timed for it."""
-        return observes(self.split)
+        return learns_from_steps(self.split)
 
     # ---- setup -------------------------------------------------------------------------------------------------------
     def bind(self, host: ShareHost) -> None:
@@ -295,6 +288,7 @@ class ShareEngine:
         """
         host = self.host
         self._no_sync, self._backward = no_sync, backward
+        self._observe_peaks = observes_peak_bytes(self.split)  # read once, not in every step
         self._timer = StepTimer(host.root_device)
         self._timed_plan, self._pending, self._micro_batch_grads = None, None, []
         self._measured_micro_batch, self._largest_forward, self._rank_caps = None, 0, None
@@ -650,8 +644,8 @@ class ShareEngine:
         times = reading.seconds
         if self.observes:
             peaks = reading.peak_bytes
-            if _takes_peaks(self.split):
-                self.split.observe(list(exchange.timed_plan), times, None if None in peaks else peaks)
+            if self._observe_peaks:
+                self.split.observe(list(exchange.timed_plan), times, peak_bytes=None if None in peaks else peaks)
             else:  # a policy written for balanced_dp's devices with a two-argument `observe`
                 self.split.observe(list(exchange.timed_plan), times)
         # Only on the steps whose logs reach the loggers (every `log_every_n_steps`): a `self.log` call costs about

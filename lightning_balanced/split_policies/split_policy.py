@@ -6,6 +6,7 @@ and :class:`Weights`, or a policy of your own: one subclass of :class:`SplitPoli
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ __all__ = [
     "SplitPolicy",
     "Weights",
     "even_split",
+    "learns_from_steps",
+    "observes_peak_bytes",
     "plan_chunk_sizes",
     "split_policy",
 ]
@@ -59,6 +62,16 @@ def proportional_split(total: int, weights: Sequence[float]) -> list[int]:
     for i in by_remainder[:leftover]:
         sizes[i] += 1
     return sizes
+
+
+def learns_from_steps(policy: SplitPolicy) -> bool:
+    """Whether ``policy`` overrides :meth:`SplitPolicy.observe`: only then do the strategies time the steps for it."""
+    return type(policy).observe is not SplitPolicy.observe
+
+
+def observes_peak_bytes(policy: SplitPolicy) -> bool:
+    """Whether ``policy.observe`` takes ``peak_bytes`` (a policy may define ``observe(chunk_sizes, seconds)``)."""
+    return "peak_bytes" in inspect.signature(policy.observe).parameters
 
 
 class SplitPolicy(ABC):

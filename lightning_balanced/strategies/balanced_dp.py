@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -30,7 +29,14 @@ from lightning_balanced.data_parallel.runner import ReplicaProfile, ReplicaRunne
 from lightning_balanced.data_parallel.virtual_device import emulated_device
 from lightning_balanced.ranks.reports import counted, rank_zero_report
 from lightning_balanced.split_policies import split_policy
-from lightning_balanced.split_policies.split_policy import ChunkSizes, Gpu0Budget, SplitPolicy, Weights
+from lightning_balanced.split_policies.split_policy import (
+    ChunkSizes,
+    Gpu0Budget,
+    SplitPolicy,
+    Weights,
+    learns_from_steps,
+    observes_peak_bytes,
+)
 from lightning_balanced.strategies.single_process import SingleProcess
 
 _REPORT_MEMORY_AFTER_STEPS = 3
@@ -72,9 +78,9 @@ class BalancedDataParallel(SingleProcess):
             raise TypeError(f"`sync_batchnorm` must be a bool, got {sync_batchnorm!r}")
         self.split = split_policy(gpu0_bsz, chunk_sizes, weights, split=split)
         # Only a policy that learns from the steps (overrides `observe`) has its replicas timed.
-        self._split_observes = type(self.split).observe is not SplitPolicy.observe
+        self._split_observes = learns_from_steps(self.split)
         # ... and is given the devices' memory when its `observe` takes `peak_bytes` (a two-argument one still works).
-        self._split_observes_memory = "peak_bytes" in inspect.signature(self.split.observe).parameters
+        self._split_observes_memory = observes_peak_bytes(self.split)
         self.loss_reduction = loss_reduction
         self.sync_batchnorm = sync_batchnorm
         self._batchnorm_synced = False

@@ -365,7 +365,7 @@ def test_registered_names_and_launches() -> None:
 
 
 def test_a_policy_with_a_two_argument_observe_is_told_chunk_sizes_and_seconds_only() -> None:
-    from lightning_balanced.rank_shares.engine import _takes_peaks
+    from lightning_balanced.split_policies.split_policy import observes_peak_bytes as _takes_peaks
 
     class TwoArguments(EvenSplit):  # a policy written for balanced_dp's devices
         def observe(self, chunk_sizes: list[int], seconds: list[float]) -> None:  # type: ignore[override]
