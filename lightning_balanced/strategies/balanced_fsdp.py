@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
+from torch.torch_version import TorchVersion
 from typing_extensions import override
 
 from lightning_balanced.arguments import check_int
@@ -30,10 +31,10 @@ from lightning_balanced.strategies.registration import RegisteredStrategy
 __all__ = ["BalancedFSDPStrategy"]
 
 #: The oldest torch whose FSDP2 is public (``torch.distributed.fsdp.fully_shard``).
-FSDP2_TORCH = (2, 6)
+FSDP2_TORCH = "2.6"
 #: The oldest torch whose FSDP2 runs on CPU ranks over gloo, as this package has checked (2.6 fails there in
 #: ``Stream.record_event``; 2.13 and 2.14 train exactly).
-FSDP2_CPU_TORCH = (2, 13)
+FSDP2_CPU_TORCH = "2.13"
 
 
 # The precision plugin's context of each step method, as Lightning's Strategy enters it.
@@ -43,11 +44,6 @@ _STEP_CONTEXTS = {
     "test_step": "test_step_context",
     "predict_step": "predict_step_context",
 }
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def _fsdp2() -> Any:
@@ -154,9 +150,9 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
     ) -> None:
-        if _torch_version() < FSDP2_TORCH:
+        if TorchVersion(torch.__version__) < FSDP2_TORCH:
             raise ImportError(
-                f"strategy='balanced_fsdp' needs torch >= {FSDP2_TORCH[0]}.{FSDP2_TORCH[1]} (FSDP2's public"
+                f"strategy='balanced_fsdp' needs torch >= {FSDP2_TORCH} (FSDP2's public"
                 f" `torch.distributed.fsdp.fully_shard`), found {torch.__version__}: upgrade torch, or use"
                 " strategy='balanced_ddp' for a model that fits on every device"
             )
@@ -258,9 +254,9 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
     def _check_setup(self, trainer: pl.Trainer) -> None:
         """The named errors of a bad setup, on every rank alike, before any collective."""
         assert self.model is not None
-        if self.root_device.type == "cpu" and _torch_version() < FSDP2_CPU_TORCH:
+        if self.root_device.type == "cpu" and TorchVersion(torch.__version__) < FSDP2_CPU_TORCH:
             raise ValueError(
-                f"strategy='balanced_fsdp' on CPU ranks needs torch >= {FSDP2_CPU_TORCH[0]}.{FSDP2_CPU_TORCH[1]}"
+                f"strategy='balanced_fsdp' on CPU ranks needs torch >= {FSDP2_CPU_TORCH}"
                 f" (FSDP2 over gloo), found {torch.__version__}"
             )
         if self.capacities is not None and len(self.capacities) != self.world_size:

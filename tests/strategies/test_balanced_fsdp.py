@@ -18,19 +18,20 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_balanced import AutoSplit, BalancedFSDPStrategy, DistributedEvalMixin
 from lightning_balanced.rank_shares.engine import ShareEngine
 from lightning_balanced.rank_shares.loader import RankShare
-from lightning_balanced.strategies.balanced_fsdp import FSDP2_CPU_TORCH, FSDP2_TORCH, _torch_version
+from lightning_balanced.strategies.balanced_fsdp import FSDP2_CPU_TORCH, FSDP2_TORCH
 from tests.distributed import run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
 
 EXACT = {"rtol": 0, "atol": 1e-12}
 SAMPLES = 24
 CPU_FSDP2 = pytest.mark.skipif(
-    _torch_version() < FSDP2_CPU_TORCH, reason=f"FSDP2 on CPU ranks needs torch >= {FSDP2_CPU_TORCH}"
+    TorchVersion(torch.__version__) < FSDP2_CPU_TORCH, reason=f"FSDP2 on CPU ranks needs torch >= {FSDP2_CPU_TORCH}"
 )
 
 
@@ -320,7 +321,7 @@ def test_bad_setups_are_named_on_every_rank_before_a_step() -> None:
 
 
 def test_bad_arguments_name_what_was_expected() -> None:
-    if _torch_version() < FSDP2_TORCH:
+    if TorchVersion(torch.__version__) < FSDP2_TORCH:
         with raises_exactly(
             ImportError,
             f"strategy='balanced_fsdp' needs torch >= 2.6 (FSDP2's public `torch.distributed.fsdp.fully_shard`),"
@@ -344,7 +345,7 @@ def test_bad_arguments_name_what_was_expected() -> None:
 
 
 def test_registered_name() -> None:
-    if _torch_version() < FSDP2_TORCH:
+    if TorchVersion(torch.__version__) < FSDP2_TORCH:
         pytest.skip(f"FSDP2 needs torch >= {FSDP2_TORCH}")
     trainer = quiet_trainer("balanced_fsdp", 2, max_steps=1)
     assert isinstance(trainer.strategy, BalancedFSDPStrategy)

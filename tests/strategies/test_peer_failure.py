@@ -13,12 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch.torch_version import TorchVersion
 
-from lightning_balanced.strategies.balanced_fsdp import FSDP2_CPU_TORCH, _torch_version
+from lightning_balanced.strategies.balanced_fsdp import FSDP2_CPU_TORCH
 
 JOB = Path(__file__).with_name("failing_job.py")
 CPU_FSDP2 = pytest.mark.skipif(
-    _torch_version() < FSDP2_CPU_TORCH, reason=f"FSDP2 on CPU ranks needs torch >= {FSDP2_CPU_TORCH}"
+    TorchVersion(torch.__version__) < FSDP2_CPU_TORCH, reason=f"FSDP2 on CPU ranks needs torch >= {FSDP2_CPU_TORCH}"
 )
 
 # What rank 0 prints instead of a traceback, up to the backend's own words.
