@@ -24,14 +24,13 @@ __all__ = ["pipeline_balance"]
 def pipeline_balance(
     setting: list[int] | str | None,
     sequential: nn.Sequential,
-    num_stages: int,
-    *,
-    example: Any,
+    pipeline_size: int,
+    stages_per_rank: int,
+    module: nn.Module,
+    module_name: str,
     chunks: int,
     device: torch.device,
     global_rank: int,
-    module_name: str,
-    owner: str,
 ) -> tuple[list[int], str]:
     """The layers of each stage and how they were chosen (for the report).
 
@@ -39,28 +38,35 @@ def pipeline_balance(
     (:func:`~lightning_balanced.pipeline.balance.choose_balance`): ``"parameters"`` (and ``"auto"`` for a model on the
     meta device or without an example) from the layers' parameter counts, the same on every rank; a measured cost
     (``"time"``, ``"memory"``, ``"auto"``) on the global rank 0, on its device, one layer at a time with one
-    micro-batch of ``example`` (the LightningModule's ``example_input_array``), then every rank uses rank 0's
+    micro-batch of the LightningModule's ``example_input_array``, then every rank uses rank 0's
     balance (one ``broadcast_object_list``).
 
     Args:
         setting: the strategy's ``balance``.
         sequential (nn.Sequential): the pipelined layers.
-        num_stages (int): pipeline ranks x stages per rank.
-        example: the first stage's input batch, or ``None``.
-        chunks (int): micro-batches per batch (the measured micro-batch is ``1 / chunks`` of ``example``).
+        pipeline_size (int): ranks per pipeline.
+        stages_per_rank (int): stages each rank holds.
+        module (LightningModule): the module (its ``example_input_array``: the first stage's input batch, if any).
+        module_name (str): the LightningModule's attribute holding ``sequential``, for messages.
+        chunks (int): micro-batches per batch (the measured micro-batch is ``1 / chunks`` of the example).
         device (torch.device): where rank 0 measures.
         global_rank (int): this process's rank.
-        module_name (str): the LightningModule's attribute holding ``sequential``, for messages.
-        owner (str): the LightningModule's class name, for messages.
 
     Raises:
-        ValueError: a list of the wrong length; a measured cost on a model on the meta device, or without ``example``;
-            ``"memory"`` off CUDA.
+        ValueError: a list of the wrong length; fewer layers than stages; a measured cost on a model on the meta
+            device, or without ``example``; ``"memory"`` off CUDA.
     """
+    num_stages = pipeline_size * stages_per_rank
+    example, owner = getattr(module, "example_input_array", None), type(module).__name__
+    per_rank = f"({pipeline_size} ranks x {stages_per_rank} stages per rank)"
+    if isinstance(setting, list):
+        if len(setting) != num_stages:
+            raise ValueError(f"`balance` {setting} must hold one entry per stage: {num_stages} {per_rank}")
+        return list(setting), "given"
+    if len(sequential) < num_stages:
+        raise ValueError(f"`{module_name}` has {len(sequential)} layers, fewer than the {num_stages} stages {per_rank}")
     if setting is None:
         return even_balance(len(sequential), num_stages), "even by layer count"
-    if isinstance(setting, list):
-        return list(setting), "given"
     choice: BalanceChoice = setting  # type: ignore[assignment]
     on_meta = is_on_meta(sequential)
     if choice == "parameters" or (choice == "auto" and (on_meta or example is None)):

@@ -22,7 +22,7 @@ import torch
 
 from lightning_balanced.timing import SpanTimer
 
-__all__ = ["COMPUTE_CALLS", "BusyTimer", "bubble"]
+__all__ = ["COMPUTE_CALLS", "BusyTimer", "bubble", "bubble_logs"]
 
 #: The methods of a ``PipelineStage`` that run its module (the ones each torch release has are wrapped).
 COMPUTE_CALLS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
@@ -82,3 +82,20 @@ class BusyTimer:
 def bubble(busy_s: float, step_s: float) -> float:
     """The idle fraction ``1 - busy_s / step_s`` of a step, in ``[0, 1]``."""
     return 0.0 if step_s <= 0 else min(max(1.0 - busy_s / step_s, 0.0), 1.0)
+
+
+def bubble_logs(bubbles: list[float], theory: float | None) -> dict[str, float]:
+    """What ``strategy="pipeline"`` logs of a step's bubbles, by name.
+
+    ``pipeline/bubble`` (the mean over the pipeline's ranks), ``pipeline/bubble_rank{r}`` (each rank's) and
+    ``pipeline/bubble_theory`` (the schedule's formula, where it has one).
+
+    Args:
+        bubbles (list[float]): each pipeline rank's idle fraction of the step, in ``[0, 1]``.
+        theory (float | None): the schedule's theoretical bubble, or ``None``.
+    """
+    logs = {"pipeline/bubble": sum(bubbles) / len(bubbles)}
+    logs.update({f"pipeline/bubble_rank{rank}": value for rank, value in enumerate(bubbles)})
+    if theory is not None:
+        logs["pipeline/bubble_theory"] = theory
+    return logs

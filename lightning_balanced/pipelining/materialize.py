@@ -9,12 +9,20 @@ not depend on which rank holds a layer or on the balance, and one process that m
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-__all__ = ["is_on_meta", "materialize", "materialize_layers"]
+__all__ = [
+    "is_on_meta",
+    "materialize",
+    "materialize_layers",
+    "materialize_own_part",
+    "to_cpu_but_meta",
+    "without_child",
+]
 
 
 def is_on_meta(module: nn.Module) -> bool:
@@ -78,6 +86,52 @@ def materialize_layers(
     layers = list(layers)
     for index in indices:
         materialize(layers[index], device, seed + index, f"layer {index}")
+
+
+def materialize_own_part(
+    module: nn.Module, module_name: str, indices: Iterable[int], device: torch.device | str, seed: int
+) -> None:
+    """Materialize a rank's part of a module built on the meta device.
+
+    That is layers ``indices`` of the ``nn.Sequential`` at ``module_name`` (layer ``i`` seeded ``seed + i``) and
+    everything outside it (seeded ``seed - 1``). So the model is the same whatever the balance and the ranks; the
+    other layers stay on the meta device.
+
+    Args:
+        module (nn.Module): the LightningModule.
+        module_name (str): the attribute holding the ``nn.Sequential``.
+        indices: the layers this rank holds.
+        device: where their storage goes.
+        seed (int): the base seed (Lightning's ``seed_everything`` seed, else 0).
+
+    Raises:
+        ValueError: as :func:`materialize`.
+    """
+    with without_child(module, module_name) as sequential:
+        materialize_layers(list(sequential.children()), indices, device, seed)
+        materialize(module, device, seed - 1, f"{type(module).__name__} (outside `{module_name}`)")
+
+
+def to_cpu_but_meta(sequential: nn.Module) -> None:
+    """Move ``sequential``'s layers to the CPU one by one, leaving those on the meta device (other ranks') there."""
+    for layer in sequential.children():
+        if not is_on_meta(layer):
+            layer.cpu()
+
+
+@contextmanager
+def without_child(module: nn.Module, name: str) -> Iterator[nn.Module]:
+    """``module`` without its child ``name`` for the block (yielded), as what ``.to()`` or materializing must skip.
+
+    The child comes back in its place afterwards, also on an error.
+    """
+    child = module._modules[name]
+    assert child is not None
+    module._modules[name] = None
+    try:
+        yield child
+    finally:
+        module._modules[name] = child
 
 
 def _own_meta(module: nn.Module) -> bool:

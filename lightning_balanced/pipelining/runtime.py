@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from lightning_balanced.pipeline.batchnorm import DeferredBatchNorm
 from lightning_balanced.pipeline.recompute import recomputing
 from lightning_balanced.pipelining.bubble import BusyTimer
+from lightning_balanced.pipelining.mesh import PipelineMesh
 from lightning_balanced.pipelining.p2p_forward import Activation, StageExamples, pipelined_forward
 from lightning_balanced.pipelining.stage_plan import ScheduleSpec, check_several_tensors, cut_sequential
 
@@ -191,8 +192,7 @@ def build_runtime(
     balance: list[int],
     owners: list[int],
     mine: list[int],
-    rank: int,
-    group: dist.ProcessGroup,
+    mesh: PipelineMesh,
     device: torch.device,
     activation_checkpointing: bool = False,
 ) -> PipelineRuntime:
@@ -203,11 +203,10 @@ def build_runtime(
         balance (list[int]): layers per stage.
         owners (list[int]): for each stage, its rank in ``group``.
         mine (list[int]): this rank's stage indices.
-        rank (int): this rank in ``group``.
-        group (ProcessGroup): the pipeline's ranks.
+        mesh (PipelineMesh): this rank's groups (the pipeline's is the stages').
         device (torch.device): this rank's device.
         activation_checkpointing (bool): recompute each stage's activations in backward.
     """
     stages = cut_sequential(sequential, balance)
     own = {index: StageModule(stages[index], activation_checkpointing) for index in mine}
-    return PipelineRuntime(own, owners, balance, rank, group, device)
+    return PipelineRuntime(own, owners, balance, mesh.pipeline_rank, mesh.pipeline_group, device)

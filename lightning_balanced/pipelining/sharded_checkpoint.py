@@ -17,18 +17,23 @@ file in Lightning's usual format, which ``gpipe``, ``ddp`` or a plain module loa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.optim import Optimizer
+
+from lightning_balanced.pipelining.stage_plan import stage_layers
 
 __all__ = [
     "METADATA_FILENAME",
+    "broadcast_stages",
     "consolidate_checkpoint",
     "flat_optimizer_state",
+    "gathered_optimizer_state",
     "is_sharded_checkpoint",
     "keep_own_optimizer_state",
     "load_sharded_checkpoint",
@@ -66,6 +71,42 @@ def owned_state_names(state_dict: Mapping[str, Tensor], module_name: str, layers
         for name in state_dict
         if not name.startswith(prefix) or int(name[len(prefix) :].partition(".")[0]) in layers
     }
+
+
+def broadcast_stages(
+    layers: Sequence[nn.Module], balance: list[int], owners: list[int], group: dist.ProcessGroup, device: torch.device
+) -> None:
+    """Every stage's parameters and buffers from the rank that trains it to every rank of ``group``, in place.
+
+    For a checkpoint in one file, and so that every rank holds the whole trained model after ``fit``.
+
+    Args:
+        layers: the ``nn.Sequential``'s layers, in order.
+        balance (list[int]): layers per stage.
+        owners (list[int]): for each stage, its rank in ``group``.
+        group (ProcessGroup): the pipeline's ranks.
+        device (torch.device): this rank's device (what the backend sends from).
+    """
+    for stage, owner in enumerate(owners):
+        source = dist.get_global_rank(group, owner)
+        for index in stage_layers(balance, stage):
+            for tensor in [*layers[index].parameters(), *layers[index].buffers()]:
+                moved = tensor.detach().to(device)
+                dist.broadcast(moved, source, group=group)
+                if moved is not tensor:
+                    with torch.no_grad():
+                        tensor.copy_(moved)
+
+
+def gathered_optimizer_state(state: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """An optimizer's ``state_dict`` whose ``state`` holds every pipeline rank's entries, on every rank of ``group``.
+
+    Each rank's ``state`` (its stages' parameters', by their positional index) travels to the host and is merged.
+    """
+    local = {index: to_host(value) for index, value in state["state"].items()}
+    gathered: list[dict[int, Any] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    return {**state, "state": merged_optimizer_state(gathered)}
 
 
 def merged_optimizer_state(gathered: Iterable[dict[int, Any] | None]) -> dict[int, Any]:

@@ -19,7 +19,20 @@ import torch
 from torch import nn
 from torch.torch_version import TorchVersion
 
-__all__ = ["SCHEDULES", "ScheduleSpec", "cut_sequential", "schedule_spec", "stage_indices", "stage_owners"]
+from lightning_balanced.arguments import check_int
+from lightning_balanced.ranks.reports import counted
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleSpec",
+    "cut_sequential",
+    "describe_plan",
+    "schedule_and_stages",
+    "schedule_spec",
+    "stage_indices",
+    "stage_layers",
+    "stage_owners",
+]
 
 Placement = Literal["single", "loop", "v"]
 
@@ -145,6 +158,27 @@ def schedule_spec(name: object) -> ScheduleSpec:
     return SCHEDULES[name]
 
 
+def schedule_and_stages(schedule: object, stages_per_rank: object) -> tuple[ScheduleSpec, int]:
+    """``PipelineStrategy``'s ``schedule`` and ``stages_per_rank`` checked, their defaults filled in.
+
+    ``schedule=None``: ``"1F1B"``, or ``"GPipe"`` where the installed torch does not run 1F1B. ``stages_per_rank=None``:
+    1 for single-stage schedules, 2 for the others.
+
+    Raises:
+        TypeError: ``schedule`` not a string, ``stages_per_rank`` not an integer.
+        ValueError: an unknown schedule, or one the installed torch lacks (naming the release that adds it);
+            ``stages_per_rank`` below 1 or one the schedule does not take.
+    """
+    if schedule is None:
+        schedule = "1F1B" if SCHEDULES["1F1B"].available() else "GPipe"
+    spec = schedule_spec(schedule)
+    spec.schedule_class()  # a schedule the installed torch lacks fails here, naming its release
+    default = 1 if spec.placement == "single" else 2
+    stages = default if stages_per_rank is None else check_int("stages_per_rank", stages_per_rank, minimum=1)
+    stage_indices(0, 1, stages, spec.placement)  # the schedule takes this many
+    return spec, stages
+
+
 def stage_indices(rank: int, pipeline_size: int, stages_per_rank: int, placement: Placement) -> list[int]:
     """The stage indices rank ``rank`` of a pipeline of ``pipeline_size`` ranks holds, in increasing order.
 
@@ -186,6 +220,31 @@ def stage_layers(balance: list[int], stage: int) -> range:
     """The indices in the ``nn.Sequential`` of stage ``stage``'s layers, under ``balance`` (layers per stage)."""
     start = sum(balance[:stage])
     return range(start, start + balance[stage])
+
+
+def describe_plan(
+    schedule: str, chunks: int, balance: list[int], owners: list[int], data_parallel_size: int, method: str
+) -> str:
+    """The report of a pipeline's plan: the schedule, the stages and which pipeline rank holds each.
+
+    Args:
+        schedule (str): the schedule's name.
+        chunks (int): micro-batches per batch.
+        balance (list[int]): layers per stage.
+        owners (list[int]): for each stage, its rank in the pipeline.
+        data_parallel_size (int): pipelines (data-parallel replicas).
+        method (str): how the balance was chosen.
+    """
+    pipeline_size = max(owners) + 1
+    lines = [
+        f"pipeline: schedule {schedule}, {counted(chunks, 'micro-batch', 'micro-batches')},"
+        f" {counted(len(balance), 'stage')} over {counted(pipeline_size, 'rank')} x"
+        f" {counted(data_parallel_size, 'data-parallel replica')}; balance {balance} ({method})"
+    ]
+    for stage, owner in enumerate(owners):
+        layers = stage_layers(balance, stage)
+        lines.append(f"  stage {stage}: layers {layers.start}..{layers.stop - 1} on pipeline rank {owner}")
+    return "\n".join(lines)
 
 
 def cut_sequential(sequential: nn.Sequential, balance: list[int]) -> list[nn.Sequential]:

@@ -100,15 +100,16 @@ class _ArmsThePrecisionInTheSecondStep(PipelinedRegressor):
 
 
 def _where(error: BaseException) -> list[str]:
-    """The innermost function of the strategy and of ``torch.distributed`` where the backend's error was raised."""
+    """The innermost function of the package and of ``torch.distributed`` where the backend's error was raised."""
     # the error as raised (the strategy's frames down to where a peer was named), then its cause (down to the backend)
     frames = traceback.extract_tb(error.__traceback__)
     if error.__cause__ is not None:
         frames += traceback.extract_tb(error.__cause__.__traceback__)
-    ours = [  # the wrappers that name a lost peer (peer_failure.py) are not where it happened
+    ours = [  # the wrappers that name a lost peer and the process group's plumbing are not where it happened
         frame.name
         for frame in frames
-        if f"lightning_balanced{os.sep}strategies" in frame.filename and not frame.filename.endswith("peer_failure.py")
+        if f"lightning_balanced{os.sep}" in frame.filename
+        and not frame.filename.endswith(("peer_failure.py", "process_group.py"))
     ]
     torch_distributed = [frame.name for frame in frames if frame.filename.endswith("distributed_c10d.py")]
     return [ours[-1] if ours else "", torch_distributed[-1] if torch_distributed else ""]
@@ -160,12 +161,12 @@ def _one_line_naming_the_killed_rank(rank: int, pid: int) -> re.Pattern[str]:
     return re.compile(rf"(?:{marked}|{peer_stopped})\n")
 
 
-# scenario -> [the strategy's function, torch.distributed's function] where each survivor stops
+# scenario -> [the package's function, torch.distributed's function] where each survivor stops
 SCENARIOS = {
-    "clipping": ["_clip_grad_by_global_norm", "all_reduce"],
-    "sharing the stages": ["_broadcast_stages", "broadcast"],
+    "clipping": ["clip_grad_by_global_norm", "all_reduce"],
+    "sharing the stages": ["broadcast_stages", "broadcast"],
     "saving a checkpoint after fit": ["save_checkpoint", "broadcast"],
-    "found-inf": ["_train_on", "all_reduce"],
+    "found-inf": ["_exchange", "all_reduce"],
 }
 
 

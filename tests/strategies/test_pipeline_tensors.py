@@ -18,6 +18,7 @@ from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_balanced import PipelineStrategy
+from lightning_balanced.pipelining.batches import input_and_target
 from lightning_balanced.pipelining.stage_plan import SCHEDULES, SEVERAL_TENSORS_FROM
 from tests.distributed import lightning_sampler_seed, run_distributed
 from tests.helpers import quiet_trainer, raises_exactly
@@ -141,14 +142,13 @@ def test_two_tensors_cross_the_stage_boundary_and_a_dict_batch_splits_through_th
 
 
 def test_a_batch_the_strategy_cannot_split_names_the_hook() -> None:
-    strategy = PipelineStrategy()
     with raises_exactly(
         TypeError,
         "strategy='pipeline' takes batches of `(input, target)` tensors: the first stage reads `input`, the last"
         " stage's `compute_loss` gets `target`; got dict. For other batches define"
         " `pipeline_batch(self, batch) -> (input, target)` on the LightningModule",
     ):
-        strategy._input_and_target({"x": torch.zeros(1)})
+        input_and_target(pl.LightningModule(), {"x": torch.zeros(1)})
 
 
 def _refused_rank(rank: int, world_size: int) -> str:
