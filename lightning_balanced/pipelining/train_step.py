@@ -5,6 +5,7 @@ The all_reduce gives every rank of the pipeline the same loss, bubbles, shared g
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
@@ -71,6 +72,7 @@ class StepOutcome(NamedTuple):
     bubbles: list[float] | None
 
 
+@dataclass(eq=False)
 class PipelineTrainStep:
     """Runs a batch through torch's schedule and keeps the gradients it computed for Lightning's ``backward``.
 
@@ -98,28 +100,20 @@ class PipelineTrainStep:
         timer (BusyTimer | None): the stages' compute timer, for the bubble; ``None``: untimed.
     """
 
-    def __init__(
-        self,
-        runtime: PipelineRuntime,
-        spec: ScheduleSpec,
-        chunks: int,
-        module: pl.LightningModule,
-        loss_parameters: list[nn.Parameter],
-        mesh: PipelineMesh,
-        timer: BusyTimer | None,
-    ) -> None:
-        self.runtime = runtime
-        self.spec = spec
-        self.chunks = chunks
-        self.module = module
-        self.loss_parameters = loss_parameters
-        self.mesh = mesh
-        self.timer = timer
-        self._micro_batch_losses: list[Tensor] = []
-        self._loss_weight = 1.0 / chunks
-        self._scaler: Any = None
-        self._loss_parameter_grads: list[Tensor | None] = []
-        self._step_grads: list[tuple[nn.Parameter, Tensor]] = []
+    runtime: PipelineRuntime
+    spec: ScheduleSpec
+    chunks: int
+    module: pl.LightningModule
+    loss_parameters: list[nn.Parameter]
+    mesh: PipelineMesh
+    timer: BusyTimer | None
+    # A step's state: the micro-batches' losses for the log, their weight, the GradScaler, the shared parameters'
+    # gradients as the losses give them, and the gradients handed over in backward.
+    _micro_batch_losses: list[Tensor] = field(default_factory=list, init=False)
+    _loss_weight: float = field(default=1.0, init=False)
+    _scaler: Any = field(default=None, init=False)
+    _loss_parameter_grads: list[Tensor | None] = field(default_factory=list, init=False)
+    _step_grads: list[tuple[nn.Parameter, Tensor]] = field(default_factory=list, init=False)
 
     def shared_parameters(self) -> list[nn.Parameter]:
         """The trainable parameters outside the ``nn.Sequential``.

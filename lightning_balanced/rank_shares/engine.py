@@ -45,6 +45,7 @@ from lightning_balanced.split_policies.split_policy import (
 )
 
 __all__ = [
+    "GlobalBatchShares",
     "MeasuredMicroBatch",
     "ShareEngine",
     "ShareStep",
@@ -137,6 +138,27 @@ class ShareStep:
             return instance.shares.step(self._name, base, args, kwargs)
 
         return step
+
+
+class GlobalBatchShares:
+    """A base-free strategy mixin: the DataLoader's batch is the global one, and each rank runs its share of it.
+
+    For a strategy that owns a :class:`ShareEngine` as ``self.shares`` (``balanced_ddp``, ``balanced_fsdp``): its
+    ``process_dataloader`` yields this rank's share of each global batch (:func:`share_loader`), and its four step
+    methods run the base class's on that share (:class:`ShareStep`). List it just before the Lightning base class, so
+    the steps' base methods are that class's.
+    """
+
+    shares: ShareEngine
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """``dataloader``, yielding this rank's share of each of its global batches (:func:`share_loader`)."""
+        return self.shares.process_dataloader(super().process_dataloader(dataloader))  # type: ignore[misc]
+
+    training_step = ShareStep()
+    validation_step = ShareStep()
+    test_step = ShareStep()
+    predict_step = ShareStep()
 
 
 def gathered_gpu_capacities(host: ShareHost) -> list[int | None]:

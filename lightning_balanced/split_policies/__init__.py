@@ -6,26 +6,8 @@
 measured speed and memory). **A new split policy** is one subclass of ``SplitPolicy`` (here, or in your own code).
 """
 
+from lightning_balanced.split_policies import split_policy as _split_policy
 from lightning_balanced.split_policies.auto_split import AutoSplit
-from lightning_balanced.split_policies.split_policy import (
-    ChunkSizes,
-    EvenSplit,
-    Gpu0Budget,
-    SplitPolicy,
-    Weights,
-    even_split,
-    plan_chunk_sizes,
-    split_policy,
-)
+from lightning_balanced.split_policies.split_policy import *  # noqa: F403  (its __all__)
 
-__all__ = [
-    "AutoSplit",
-    "ChunkSizes",
-    "EvenSplit",
-    "Gpu0Budget",
-    "SplitPolicy",
-    "Weights",
-    "even_split",
-    "plan_chunk_sizes",
-    "split_policy",
-]
+__all__ = ["AutoSplit", *_split_policy.__all__]

@@ -20,7 +20,7 @@ from lightning_balanced.arguments import check_bool
 from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
 from lightning_balanced.rank_shares.carried_exchange import CarriedExchange
-from lightning_balanced.rank_shares.engine import ShareEngine, ShareStep, gathered_gpu_capacities
+from lightning_balanced.rank_shares.engine import GlobalBatchShares, ShareEngine, gathered_gpu_capacities
 from lightning_balanced.split_policies.split_policy import SplitPolicy
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
@@ -35,7 +35,7 @@ else:
 _LAUNCHES = (("balanced_ddp", "popen"), ("balanced_ddp_spawn", "spawn"), ("balanced_ddp_fork", "fork"))
 
 
-class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, _StrategyBase):
+class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, GlobalBatchShares, _StrategyBase):
     """The implementation of :class:`BalancedDDPStrategy`, free of a Lightning base class.
 
     Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`BalancedDDPStrategy`; combined with the
@@ -143,17 +143,6 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
             assert isinstance(self.model, DistributedDataParallel)
             self.shares.carrier = CarriedExchange()
             self.model.register_comm_hook(self.model.process_group, self.shares.carrier.reduce)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """``dataloader``, yielding this rank's share of each of its global batches (:func:`share_loader`)."""
-        return self.shares.process_dataloader(super().process_dataloader(dataloader))
-
-    # ---- the steps: the base class's, on this rank's share --------------------------------------------------------
-    training_step = ShareStep()
-    validation_step = ShareStep()
-    test_step = ShareStep()
-    predict_step = ShareStep()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

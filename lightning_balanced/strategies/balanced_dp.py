@@ -8,9 +8,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.warnings import PossibleUserWarning
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -66,12 +64,9 @@ class BalancedDataParallel(SingleProcess):
         split: SplitPolicy | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
         sync_batchnorm: bool = False,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: Sequence[torch.device | str] | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin)
+        super().__init__(**kwargs)  # the plugins: SingleProcess's arguments
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
         if not isinstance(sync_batchnorm, bool):

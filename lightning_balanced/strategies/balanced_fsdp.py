@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_balanced.arguments import check_int
 from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
 from lightning_balanced.pipelining.saved_bytes import SavedTensorBytes
-from lightning_balanced.rank_shares.engine import ShareEngine, ShareStep, gathered_gpu_capacities
+from lightning_balanced.rank_shares.engine import GlobalBatchShares, ShareEngine, gathered_gpu_capacities
 from lightning_balanced.split_policies.split_policy import SplitPolicy
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.registration import RegisteredStrategy
@@ -61,7 +61,9 @@ def _tensor_bytes(tensors: Iterator[Tensor]) -> int:
     return total
 
 
-class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, ModelParallelStrategy):
+class BalancedFSDPStrategy(
+    PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, GlobalBatchShares, ModelParallelStrategy
+):
     """FSDP2 over one global batch split unevenly over the ranks: each step is one process's step on the whole batch.
 
     Lightning's ``ModelParallelStrategy`` (FSDP2 over a device mesh, sharded ``torch.distributed.checkpoint``
@@ -319,17 +321,6 @@ class BalancedFSDPStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Regis
         finally:
             for module in modules:
                 module.set_requires_gradient_sync(True, recurse=False)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """``dataloader``, yielding this rank's share of each of its global batches."""
-        return self.shares.process_dataloader(super().process_dataloader(dataloader))
-
-    # ---- the steps: the base class's, on this rank's share --------------------------------------------------------
-    training_step = ShareStep()
-    validation_step = ShareStep()
-    test_step = ShareStep()
-    predict_step = ShareStep()
 
     def redirected_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """The LightningModule's step method ``name`` inside a call of the root module, in its precision context.

@@ -8,9 +8,6 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
-from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from typing_extensions import override
@@ -108,12 +105,9 @@ class GPipeStrategy(SingleProcess, ParallelStrategy):
         checkpoint: Literal["always", "except_last", "never"] = "except_last",
         deferred_batch_norm: bool = True,
         module_name: str = "sequential_module",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: Sequence[torch.device | str] | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(accelerator, parallel_devices, checkpoint_io, precision_plugin)
+        super().__init__(**kwargs)  # the plugins: SingleProcess's arguments
         self.balance: list[int] | str | None = balance_argument(balance)
         self.chunks: int | None = None if chunks is None else validate_chunks(chunks)
         self.checkpoint = validate_checkpoint(checkpoint)

@@ -66,13 +66,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1  # the Trainer sets it from `num_nodes=`
         self._process_group_backend = process_group_backend
         self._timeout = timeout
