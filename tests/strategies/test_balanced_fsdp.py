@@ -90,6 +90,25 @@ class CallsItsBlocks(Regressor):
         return loss
 
 
+class ManualOptimization(Regressor):
+    """The optimizer stepped in ``training_step``: ``manual_backward`` sees the share's weight from the first step on."""
+
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__(optimizer)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        assert isinstance(optimizer, pl.core.optimizer.LightningOptimizer)
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        self.log("train_loss", loss)
+        return loss
+
+
 class ShardedInConfigureModel(Regressor):
     """Shards itself, as under Lightning's ModelParallelStrategy (with a mixed-precision policy, if given)."""
 
@@ -138,17 +157,25 @@ _RUNS: list[dict[str, Any]] = [
     {"strategy": {"chunk_sizes": [5, 3]}, "model": "configure_model"},
     {"strategy": {"chunk_sizes": [3, 5], "max_micro_batch": "auto"}},  # no cap measured on CPU ranks: whole shares
     {"strategy": {"chunk_sizes": [6, 2]}, "model": "blocks"},
+    {"strategy": {"chunk_sizes": [3, 5]}, "model": "manual", "optimizer": "adam"},
+    {"strategy": {"chunk_sizes": [1, 7]}, "samples": 20},  # a short last batch of 4: shares [1, 3] by proportion
 ]
 
 
 def _fit(strategy: Any, devices: int, run: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
-    models = {"configure_model": ShardedInConfigureModel, "mixed": MixedPrecision, "blocks": CallsItsBlocks}
+    models = {
+        "configure_model": ShardedInConfigureModel,
+        "mixed": MixedPrecision,
+        "blocks": CallsItsBlocks,
+        "manual": ManualOptimization,
+    }
     model_class = models.get(run.get("model", ""))
     model = (model_class or Regressor)(run.get("optimizer", "sgd"))
     options = {"max_steps": 3, **run.get("trainer", {})}
     trainer = quiet_trainer(strategy, devices, **options)
     dtype = next(model.parameters()).dtype
-    trainer.fit(model, DataLoader(_data(dtype=dtype), batch_size=8), ckpt_path=checkpoint)
+    data = _data(run.get("samples", SAMPLES), dtype=dtype)
+    trainer.fit(model, DataLoader(data, batch_size=8), ckpt_path=checkpoint)
     result = {"state": _full_state(model), "train_loss": float(trainer.callback_metrics["train_loss"])}
     if run.get("validate"):
         result["val_loss"] = trainer.validate(model, DataLoader(_data(10), batch_size=4), verbose=False)[0]["val_loss"]
@@ -175,7 +202,7 @@ def _assert_trained_as(result: dict[str, Any], reference: dict[str, Any]) -> Non
 def test_uneven_shares_train_as_one_process_on_the_global_batch() -> None:
     ranks = run_distributed(_fit_rank, 2, _RUNS, timeout_s=600)
     for index, run in enumerate(_RUNS):
-        reference = _fit("auto", 1, {k: v for k, v in run.items() if k != "model" or v == "blocks"})
+        reference = _fit("auto", 1, {k: v for k, v in run.items() if k != "model" or v in ("blocks", "manual")})
         for rank in ranks:
             _assert_trained_as(rank[index], reference)
 
