@@ -90,24 +90,21 @@ class _PipelinedSequential(nn.Sequential):
 class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, ProcessGroupStrategy):
     """Pipeline parallelism across processes and machines: an ``nn.Sequential`` cut into stages, one process each.
 
-    A multi-process strategy launched like DDP (Lightning's subprocess and spawn launchers, ``torchrun``, SLURM;
-    ``devices=`` and ``num_nodes=``), on ``torch.distributed.pipelining``: the ``nn.Sequential`` at ``module_name`` on
-    the LightningModule is cut into ``pipeline_parallel_size * stages_per_rank`` stages by ``balance``; each rank moves
-    its own stages to its device (the other layers stay in host memory where they were made, and never go to a
-    device), and every training batch runs through torch's ``schedule`` in ``chunks`` micro-batches.
+    A multi-process strategy launched like DDP
+    (:class:`~lightning_balanced.strategies.process_group.ProcessGroupStrategy`), on ``torch.distributed.pipelining``:
+    the ``nn.Sequential`` at ``module_name`` on the LightningModule is cut into ``pipeline_parallel_size *
+    stages_per_rank`` stages by ``balance``; each rank moves its own stages to its device (the others stay in host
+    memory), and every training batch runs through torch's ``schedule`` in ``chunks`` micro-batches.
 
     The contract of the LightningModule:
 
-    * the batch is ``(input, target)``: the first stage takes ``input``, the last stage ``target``; for other batches
-      define ``pipeline_batch(self, batch) -> (input, target)`` (``input`` a tensor or a tuple of tensors). A stage may
-      pass a tuple of tensors to the next, which gets it as ``nn.Sequential`` hands a value on (one tuple);
-    * ``compute_loss(self, output, target) -> Tensor``, the loss of one micro-batch (a mean over its samples, as
-      ``F.cross_entropy`` gives by default): the last stage calls it on each micro-batch. The LightningModule's
-      ``training_step`` is not called (Lightning still asks for one: write it as ``loss = self.compute_loss(
-      self.sequential_module(x), y)``, so the module trains the same under any strategy); the strategy's runs the
-      schedule, which does the forward and the backward pass itself, and logs the batch's loss as ``train_loss``
-      (the mean of the micro-batches' losses, equal to the loss of the unpipelined model on the whole batch) on every
-      rank. Do not ``self.log`` inside ``compute_loss`` (only the last stage's rank calls it);
+    * the batch is ``(input, target)``, or ``pipeline_batch(self, batch) -> (input, target)`` makes one
+      (:mod:`~lightning_balanced.pipelining.batches`). A stage may pass a tuple of tensors to the next;
+    * ``compute_loss(self, output, target) -> Tensor``, the loss of one micro-batch (a mean over its samples): the last
+      stage calls it on each micro-batch. The LightningModule's ``training_step`` is not called (write it as ``loss =
+      self.compute_loss(self.sequential_module(x), y)``, so the module trains the same under any strategy); the
+      strategy's runs the schedule and logs the batch's loss as ``train_loss`` (the unpipelined model's loss on the
+      whole batch) on every rank. Do not ``self.log`` inside ``compute_loss`` (only the last stage's rank calls it);
     * ``validation_step``, ``test_step`` and ``predict_step`` run unchanged on every rank: calling the
       ``nn.Sequential`` runs a forward-only pass through the stages in ``chunks`` micro-batches (GPipe's forward) and
       returns the last stage's output on every rank, so their logs and outputs are the same on all ranks of a
@@ -224,6 +221,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         self._step: PipelineTrainStep | None = None
         self._balance: list[int] = []
         self._owners: list[int] = []
+        self._loss_parameters: list[nn.Parameter] = []  # the LightningModule's outside the nn.Sequential
         self._built_on_meta = False  # the model came built on the meta device: each rank materializes its own stages
         self._balance_method = "given"  # how the balance was chosen, for the report
         self._loaded_sharded = False
@@ -330,12 +328,13 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         if self.deferred_batch_norm:  # in place: the stages and the wrapper below hold the converted layers
             DeferredBatchNorm.convert_deferred_batch_norm(sequential)
         in_sequential = {id(param) for param in sequential.parameters()}
-        loss_parameters = [param for param in module.parameters() if id(param) not in in_sequential]
+        self._loss_parameters = [param for param in module.parameters() if id(param) not in in_sequential]
         self._runtime = build_runtime(
             sequential, self._balance, self._owners, mine, mesh, self.root_device, self.activation_checkpointing
         )
         timer = BusyTimer(self.root_device) if self.log_bubble else None
-        self._step = PipelineTrainStep(self._runtime, self.schedule, self.chunks, module, loss_parameters, mesh, timer)
+        shared = self._loss_parameters
+        self._step = PipelineTrainStep(self._runtime, self.schedule, self.chunks, module, shared, mesh, timer)
         self._pipelined = _PipelinedSequential(sequential, self)
         setattr(module, self.module_name, self._pipelined)
 
@@ -518,8 +517,7 @@ class PipelineStrategy(PeerFailureReporting, LRScaleFactorCheckOnLoad, Registere
         owned = self._owned_state_names()
         tensors = {name: tensor for name, tensor in module.state_dict().items() if name in owned}
         names = self._parameter_names()
-        assert self._step is not None
-        own = {id(p) for p in [*self._own_parameters(), *self._step.loss_parameters]}
+        own = {id(p) for p in [*self._own_parameters(), *self._loss_parameters]}
         optimizers = [(optimizer, {i: n for i, n in names.items() if i in own}) for optimizer in self.optimizers]
         with self.naming_a_lost_peer("loading a checkpoint"):
             return load_sharded_checkpoint(path, tensors, optimizers)
