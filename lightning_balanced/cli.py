@@ -29,6 +29,8 @@ __all__ = ["LightningBalancedCLI", "main"]
 
 # Strategy arguments the Trainer fills in from its own (accelerator=, devices=, plugins=).
 _PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+#: The bases whose own arguments (a process group's, DDP's) a strategy passes on through ``**kwargs``.
+_PROCESS_BASES = ("DDPStrategy", "ModelParallelStrategy", "ProcessGroupStrategy")
 
 
 def _strategy_help() -> str:
@@ -44,13 +46,12 @@ def _strategy_help() -> str:
         if strategy in seen or strategy.__module__.startswith(("lightning.", "pytorch_lightning.")):
             continue
         seen.add(strategy)
-        parameters = [
-            p
-            for p in inspect.signature(strategy).parameters.values()
-            if p.kind is not p.VAR_KEYWORD and p.name not in _PLUMBING
-        ]
+        signature = inspect.signature(strategy).parameters.values()
+        parameters = [p for p in signature if p.kind is not p.VAR_KEYWORD and p.name not in _PLUMBING]
         arguments = ", ".join(f"{p.name}={p.default!r}" for p in parameters if p.default is not p.empty)
-        extra = " and DDPStrategy's arguments" if any(c.__name__ == "DDPStrategy" for c in strategy.__mro__) else ""
+        passed_on = any(p.kind is p.VAR_KEYWORD for p in signature)
+        bases = [c.__name__ for c in strategy.__mro__ if c.__name__ in _PROCESS_BASES] if passed_on else []
+        extra = f" and {bases[0]}'s arguments" if bases else ""
         lines.append(f"  {strategy.__module__}.{strategy.__qualname__}({arguments}){extra}")
     return "\n".join(lines)
 
