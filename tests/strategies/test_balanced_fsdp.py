@@ -91,7 +91,7 @@ class CallsItsBlocks(Regressor):
 
 
 class ManualOptimization(Regressor):
-    """The optimizer stepped in ``training_step``: ``manual_backward`` sees the share's weight from the first step on."""
+    """The optimizer stepped in ``training_step``: ``manual_backward`` sees the share's weight from step 0 on."""
 
     def __init__(self, optimizer: str = "sgd") -> None:
         super().__init__(optimizer)

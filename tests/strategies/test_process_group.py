@@ -1,12 +1,55 @@
-"""``end_process_group``: the default group of a finished run ended on every rank, on 2 real gloo ranks."""
+"""The default process group: ``ProcessGroupStrategy`` launched as DDP is (the pipelines' base), and
+``end_process_group``, the group of a finished run ended on every rank, on 2 real gloo ranks."""
 
 from __future__ import annotations
 
-import pytest
-import torch.distributed as dist
+import os
+from typing import Any
 
-from lightning_balanced.strategies.process_group import end_process_group
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+from lightning_balanced import PipelineStrategy
+from lightning_balanced.strategies.process_group import ProcessGroupStrategy, end_process_group
 from tests.distributed import run_distributed
+
+
+@pytest.mark.parametrize(
+    ("start_method", "launcher"), [("popen", _SubprocessScriptLauncher), ("spawn", _MultiProcessingLauncher)]
+)
+def test_the_pipeline_is_a_parallel_strategy_launched_as_ddp_without_its_wrapper(
+    start_method: str, launcher: type
+) -> None:
+    assert issubclass(PipelineStrategy, ParallelStrategy) and not issubclass(PipelineStrategy, DDPStrategy)
+    strategy = PipelineStrategy(start_method=start_method, process_group_backend="gloo")  # type: ignore[arg-type]
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=3, num_nodes=2, logger=False)
+    assert trainer.strategy is strategy and isinstance(strategy.launcher, launcher)
+    assert (strategy.num_processes, strategy.num_nodes, strategy.world_size) == (3, 2, 6)
+    assert strategy.is_distributed and strategy.process_group_backend == "gloo"
+    assert strategy.root_device == torch.device("cpu")
+
+
+def _group_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """The default group's collectives through the strategy, as Lightning's connectors set it up on each rank."""
+    os.environ["LOCAL_RANK"] = str(rank)  # what Lightning's launcher sets for each process it starts
+    strategy = ProcessGroupStrategy(parallel_devices=[torch.device("cpu")] * world_size)
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.setup_distributed()  # the group is already there (run_distributed made it): ranks set, nothing else
+    reduced = strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum")
+    strategy.barrier()
+    broadcast = strategy.broadcast(f"from {rank}", src=1)
+    return {"rank": strategy.global_rank, "reduced": float(reduced), "broadcast": broadcast}
+
+
+@pytest.mark.slow
+def test_reduce_barrier_and_broadcast_run_on_the_default_group() -> None:
+    expected = {"reduced": 3.0, "broadcast": "from 1"}
+    assert run_distributed(_group_rank, 2) == [{"rank": 0, **expected}, {"rank": 1, **expected}]
 
 
 def _end_rank(rank: int, world_size: int) -> tuple[bool, bool]:
