@@ -98,6 +98,9 @@ class PipelineTrainStep:
         loss_parameters (list[nn.Parameter]): the LightningModule's parameters outside the ``nn.Sequential``.
         mesh (PipelineMesh): this rank's groups.
         timer (BusyTimer | None): the stages' compute timer, for the bubble; ``None``: untimed.
+
+    Source: ``torch.distributed.pipelining``'s schedules (``step``, ``loss_fn``, ``scale_grads``); the loss weighting
+    of Lightning's automatic optimization loop; GPipe's mean over micro-batches (Huang et al., NeurIPS 2019).
     """
 
     runtime: PipelineRuntime
