@@ -23,14 +23,14 @@ from typing_extensions import override
 
 from lightning_balanced.entry_points import load_strategy_plugins
 from lightning_balanced.strategies.process_group import end_process_group
+from lightning_balanced.strategies.trainer_arguments import init_parameters
 
 __all__ = ["LightningBalancedCLI", "main"]
 
 
 # Strategy arguments the Trainer fills in from its own (accelerator=, devices=, plugins=).
 _PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
-#: The bases whose own arguments (a process group's, DDP's) a strategy passes on through ``**kwargs``.
-_PROCESS_BASES = ("DDPStrategy", "ModelParallelStrategy", "ProcessGroupStrategy")
+_LIGHTNING = ("lightning.", "pytorch_lightning.")
 
 
 def _strategy_help() -> str:
@@ -43,15 +43,17 @@ def _strategy_help() -> str:
     seen = set()
     for name in names:
         strategy = StrategyRegistry[name]["strategy"]
-        if strategy in seen or strategy.__module__.startswith(("lightning.", "pytorch_lightning.")):
+        if strategy in seen or strategy.__module__.startswith(_LIGHTNING):
             continue
         seen.add(strategy)
-        signature = inspect.signature(strategy).parameters.values()
-        parameters = [p for p in signature if p.kind is not p.VAR_KEYWORD and p.name not in _PLUMBING]
-        arguments = ", ".join(f"{p.name}={p.default!r}" for p in parameters if p.default is not p.empty)
-        passed_on = any(p.kind is p.VAR_KEYWORD for p in signature)
-        bases = [c.__name__ for c in strategy.__mro__ if c.__name__ in _PROCESS_BASES] if passed_on else []
-        extra = f" and {bases[0]}'s arguments" if bases else ""
+        parameters = init_parameters(strategy)
+        # The Lightning base the arguments pass on to, named rather than listed (its own help shows them).
+        base = next(c for c in strategy.__mro__ if c.__module__.startswith(_LIGHTNING) and "__init__" in vars(c))
+        inherited = {p.name for p in init_parameters(base)}
+        reached = inherited <= {p.name for p in parameters} and bool(inherited - _PLUMBING)
+        own = [p for p in parameters if p.name not in _PLUMBING and p.name not in inherited]
+        arguments = ", ".join(f"{p.name}={p.default!r}" for p in own if p.default is not p.empty)
+        extra = f" and {base.__name__}'s arguments" if reached else ""
         lines.append(f"  {strategy.__module__}.{strategy.__qualname__}({arguments}){extra}")
     return "\n".join(lines)
 

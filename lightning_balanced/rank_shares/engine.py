@@ -41,7 +41,6 @@ from lightning_balanced.split_policies.split_policy import (
     even_split,
     learns_from_steps,
     observes_peak_bytes,
-    split_policy,
 )
 
 __all__ = [
@@ -222,33 +221,28 @@ class ShareEngine:
 
     Args:
         name (str): the strategy's registered name, quoted in errors and reports.
-        gpu0_bsz, chunk_sizes, weights, split: the split policy over the ranks
-            (:func:`~lightning_balanced.split_policies.split_policy.split_policy`).
+        split (SplitPolicy): the split policy over the ranks (the strategy's
+            :class:`~lightning_balanced.split_policies.split_policy.SplitOptions` made it).
         loss_reduction (str): ``"mean"`` (each rank's loss weighted by ``world_size * share / B``) or ``"sum"``
-            (weighted by ``world_size``).
+            (weighted by ``world_size``), checked by ``SplitOptions``.
         max_micro_batch: the most samples a rank runs in one forward pass (see :func:`check_max_micro_batch`).
         log_shares (bool): log each rank's share, step seconds and idle seconds on the steps the loggers write.
 
     Raises:
-        TypeError, ValueError: a bad split option, ``loss_reduction``, ``max_micro_batch`` or ``log_shares``.
+        TypeError, ValueError: a bad ``max_micro_batch`` or ``log_shares``.
     """
 
     def __init__(
         self,
         name: str,
-        gpu0_bsz: int | None,
-        chunk_sizes: Sequence[int] | Literal["auto"] | None,
-        weights: Sequence[float] | None,
-        split: SplitPolicy | None,
+        split: SplitPolicy,
         loss_reduction: Literal["mean", "sum"],
         max_micro_batch: int | Sequence[int] | Literal["auto"] | None,
         log_shares: bool,
     ) -> None:
         self.name = name
         self.max_micro_batch = check_max_micro_batch(max_micro_batch)
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
-        self.split = split_policy(gpu0_bsz, chunk_sizes, weights, split=split)
+        self.split = split
         self.loss_reduction = loss_reduction
         self.log_shares = check_bool("log_shares", log_shares)
         #: The loss weight of the step running now (set before its step method runs).

@@ -21,6 +21,7 @@ __all__ = [
     "ChunkSizes",
     "EvenSplit",
     "Gpu0Budget",
+    "SplitOptions",
     "SplitPolicy",
     "Weights",
     "even_split",
@@ -320,6 +321,48 @@ def split_policy(
         return NAMED_POLICIES[value]()
     policy: SplitPolicy = _SHORTHANDS[name](value)
     return policy
+
+
+class SplitOptions:
+    """A base-free strategy mixin: the split options of ``balanced_dp``, ``balanced_ddp`` and ``balanced_fsdp``.
+
+    Taken and checked once for the three: ``self.split`` is the policy (:func:`split_policy`), ``self.loss_reduction``
+    how the loss is weighted by share; the other arguments go on to the next class (cooperative ``__init__``, as
+    Lightning's strategies pass theirs on). LightningCLI and :func:`~lightning_balanced.strategies.trainer_arguments`
+    follow the ``**kwargs`` here.
+
+    Args:
+        gpu0_bsz (int | None): short for ``split=Gpu0Budget(gpu0_bsz)``.
+        chunk_sizes (Sequence[int] | "auto" | None): short for ``split=ChunkSizes(chunk_sizes)``; ``"auto"`` for
+            ``split=AutoSplit()``.
+        weights (Sequence[float] | None): short for ``split=Weights(weights)``.
+        split (SplitPolicy | None): the policy; none of the four: :class:`EvenSplit`.
+        loss_reduction (str): ``"mean"`` (a step's loss is the mean over the samples, each share's weighted by its
+            size) or ``"sum"``.
+        **kwargs: the next class's arguments.
+
+    Raises:
+        ValueError: ``loss_reduction`` other than ``"mean"`` or ``"sum"``; as :func:`split_policy`.
+        TypeError: as :func:`split_policy`.
+    """
+
+    split: SplitPolicy
+    loss_reduction: Literal["mean", "sum"]
+
+    def __init__(
+        self,
+        gpu0_bsz: int | None = None,
+        chunk_sizes: Sequence[int] | Literal["auto"] | None = None,
+        weights: Sequence[float] | None = None,
+        split: SplitPolicy | None = None,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.split = split_policy(gpu0_bsz, chunk_sizes, weights, split=split)
+        self.loss_reduction = loss_reduction
 
 
 def plan_chunk_sizes(

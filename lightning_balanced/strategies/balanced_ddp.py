@@ -21,7 +21,7 @@ from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLo
 from lightning_balanced.nn.layer_sync import DeviceSyncBatchNorm
 from lightning_balanced.rank_shares.carried_exchange import CarriedExchange
 from lightning_balanced.rank_shares.engine import GlobalBatchShares, ShareEngine, gathered_gpu_capacities
-from lightning_balanced.split_policies.split_policy import SplitPolicy
+from lightning_balanced.split_policies.split_policy import SplitOptions
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.process_group import end_process_group
 from lightning_balanced.strategies.registration import RegisteredStrategy, register_variants
@@ -35,7 +35,9 @@ else:
 _LAUNCHES = (("balanced_ddp", "popen"), ("balanced_ddp_spawn", "spawn"), ("balanced_ddp_fork", "fork"))
 
 
-class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, GlobalBatchShares, _StrategyBase):
+class BalancedDDP(
+    PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, SplitOptions, GlobalBatchShares, _StrategyBase
+):
     """The implementation of :class:`BalancedDDPStrategy`, free of a Lightning base class.
 
     Combined with ``lightning.pytorch``'s ``DDPStrategy`` it is :class:`BalancedDDPStrategy`; combined with the
@@ -59,27 +61,15 @@ class BalancedDDP(PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStra
 
     def __init__(
         self,
-        gpu0_bsz: int | None = None,
-        chunk_sizes: Sequence[int] | Literal["auto"] | None = None,
-        weights: Sequence[float] | None = None,
-        split: SplitPolicy | None = None,
-        loss_reduction: Literal["mean", "sum"] = "mean",
         sync_batchnorm: bool = True,
         max_micro_batch: int | Sequence[int] | Literal["auto"] | None = None,
         log_shares: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        self.shares = ShareEngine(
-            "balanced_ddp", gpu0_bsz, chunk_sizes, weights, split, loss_reduction, max_micro_batch, log_shares
-        )
+        super().__init__(**kwargs)  # the split options (SplitOptions), then DDPStrategy's
+        self.shares = ShareEngine("balanced_ddp", self.split, self.loss_reduction, max_micro_batch, log_shares)
         self.shares.bind(self)
         self.sync_batchnorm = check_bool("sync_batchnorm", sync_batchnorm)
-
-    @property
-    def split(self) -> SplitPolicy:
-        """The split policy over the ranks."""
-        return self.shares.split
 
     @property
     def data_parallel_size(self) -> int:

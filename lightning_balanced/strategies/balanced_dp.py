@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -26,11 +25,10 @@ from lightning_balanced.data_parallel.replica_batchnorm import (
 from lightning_balanced.data_parallel.runner import ReplicaProfile, ReplicaRunner
 from lightning_balanced.data_parallel.virtual_device import emulated_device
 from lightning_balanced.ranks.reports import counted, rank_zero_report
-from lightning_balanced.split_policies import split_policy
 from lightning_balanced.split_policies.split_policy import (
     ChunkSizes,
     Gpu0Budget,
-    SplitPolicy,
+    SplitOptions,
     Weights,
     learns_from_steps,
     observes_peak_bytes,
@@ -47,7 +45,7 @@ def _one_value_per_channel(error: ValueError) -> bool:
     return str(error).startswith(_BATCHNORM_ONE_VALUE_ERROR)
 
 
-class BalancedDataParallel(SingleProcess):
+class BalancedDataParallel(SplitOptions, SingleProcess):
     """The implementation of :class:`BalancedDataParallelStrategy`, free of a Lightning base class.
 
     Combined with ``lightning.pytorch``'s ``ParallelStrategy`` it is :class:`BalancedDataParallelStrategy`; combined
@@ -56,27 +54,14 @@ class BalancedDataParallel(SingleProcess):
 
     strategy_name = "balanced_dp"
 
-    def __init__(
-        self,
-        gpu0_bsz: int | None = None,
-        chunk_sizes: Sequence[int] | Literal["auto"] | None = None,
-        weights: Sequence[float] | None = None,
-        split: SplitPolicy | None = None,
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        sync_batchnorm: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)  # the plugins: SingleProcess's arguments
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}")
+    def __init__(self, sync_batchnorm: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # the split options (SplitOptions), then the plugins (SingleProcess)
         if not isinstance(sync_batchnorm, bool):
             raise TypeError(f"`sync_batchnorm` must be a bool, got {sync_batchnorm!r}")
-        self.split = split_policy(gpu0_bsz, chunk_sizes, weights, split=split)
         # Only a policy that learns from the steps (overrides `observe`) has its replicas timed.
         self._split_observes = learns_from_steps(self.split)
         # ... and is given the devices' memory when its `observe` takes `peak_bytes` (a two-argument one still works).
         self._split_observes_memory = observes_peak_bytes(self.split)
-        self.loss_reduction = loss_reduction
         self.sync_batchnorm = sync_batchnorm
         self._batchnorm_synced = False
         self._devices: list[torch.device] = []

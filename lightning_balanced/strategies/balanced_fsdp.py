@@ -24,7 +24,7 @@ from lightning_balanced.arguments import check_int
 from lightning_balanced.batch_scaling.factor_check import LRScaleFactorCheckOnLoad
 from lightning_balanced.pipelining.saved_bytes import SavedTensorBytes
 from lightning_balanced.rank_shares.engine import GlobalBatchShares, ShareEngine, gathered_gpu_capacities
-from lightning_balanced.split_policies.split_policy import SplitPolicy
+from lightning_balanced.split_policies.split_policy import SplitOptions
 from lightning_balanced.strategies.peer_failure import PeerFailureReporting
 from lightning_balanced.strategies.registration import RegisteredStrategy
 
@@ -62,7 +62,12 @@ def _tensor_bytes(tensors: Iterator[Tensor]) -> int:
 
 
 class BalancedFSDPStrategy(
-    PeerFailureReporting, LRScaleFactorCheckOnLoad, RegisteredStrategy, GlobalBatchShares, ModelParallelStrategy
+    PeerFailureReporting,
+    LRScaleFactorCheckOnLoad,
+    RegisteredStrategy,
+    SplitOptions,
+    GlobalBatchShares,
+    ModelParallelStrategy,
 ):
     """FSDP2 over one global batch split unevenly over the ranks: each step is one process's step on the whole batch.
 
@@ -137,11 +142,6 @@ class BalancedFSDPStrategy(
 
     def __init__(
         self,
-        gpu0_bsz: int | None = None,
-        chunk_sizes: Sequence[int] | Literal["auto"] | None = None,
-        weights: Sequence[float] | None = None,
-        split: SplitPolicy | None = None,
-        loss_reduction: Literal["mean", "sum"] = "mean",
         max_micro_batch: int | Sequence[int] | Literal["auto"] | None = None,
         capacities: Sequence[int] | None = None,
         shard_modules: Sequence[type[nn.Module]] = (),
@@ -151,6 +151,7 @@ class BalancedFSDPStrategy(
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
+        **kwargs: Any,
     ) -> None:
         if TorchVersion(torch.__version__) < FSDP2_TORCH:
             raise ImportError(
@@ -180,18 +181,12 @@ class BalancedFSDPStrategy(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            **kwargs,  # the split options (SplitOptions)
         )
-        self.shares = ShareEngine(
-            "balanced_fsdp", gpu0_bsz, chunk_sizes, weights, split, loss_reduction, max_micro_batch, log_shares
-        )
+        self.shares = ShareEngine("balanced_fsdp", self.split, self.loss_reduction, max_micro_batch, log_shares)
         self.shares.bind(self)
         self.shares.overlap = False  # FSDP2's reduce-scatters share the process group with the step's exchange
         self.shares.equal_micro_batches = True  # each forward pass all-gathers the parameters on every rank
-
-    @property
-    def split(self) -> SplitPolicy:
-        """The split policy over the ranks."""
-        return self.shares.split
 
     @property
     def data_parallel_size(self) -> int:

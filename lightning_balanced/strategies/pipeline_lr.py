@@ -48,17 +48,7 @@ class LRScaledPipelineStrategy(LRScaledDDP, PipelineStrategy):
         variants = [(f"pipeline_lr_{p}", described.format(p), {"lr_scaling": p}) for p in ("linear", "sqrt")]
         register_variants(cls, strategy_registry, variants)
 
-    def __init__(
-        self,
-        lr_scaling: str = "linear",
-        reference_batch_size: int | None = None,
-        warmup_steps: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            lr_scaling=lr_scaling,
-            reference_batch_size=reference_batch_size,
-            warmup_steps=warmup_steps,
-            sync_batchnorm=False,
-            **kwargs,
-        )
+    def __init__(self, **kwargs: Any) -> None:
+        # LRScaledDDP's arguments but `sync_batchnorm` (the pipeline's BatchNorm is DeferredBatchNorm), then
+        # PipelineStrategy's; LightningCLI and the package's helpers leave out what is set here.
+        super().__init__(sync_batchnorm=False, **kwargs)

@@ -9,16 +9,62 @@ and the signature Lightning, jsonargparse and ``inspect`` see stays the ``Traine
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import re
+import textwrap
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["name_strategy_arguments"]
+__all__ = ["init_parameters", "name_strategy_arguments"]
 
 _UNEXPECTED = re.compile(r"__init__\(\) got an unexpected keyword argument '(?P<name>\w+)'$")
 _WRAPPED = "_lightning_balanced_names_strategy_arguments"
+
+
+def init_parameters(cls: type) -> list[inspect.Parameter]:
+    """The arguments ``cls(...)`` takes by name: its ``__init__``'s and those its ``**kwargs`` pass on, in MRO order.
+
+    Follows a cooperative chain as LightningCLI (jsonargparse) does: each ``__init__`` along ``cls.__mro__`` that takes
+    ``**kwargs`` hands them to the next class's ``__init__`` (a mixin's, such as
+    :class:`~lightning_balanced.split_policies.split_policy.SplitOptions`, then the Lightning base's); the walk stops at
+    the first ``__init__`` without ``**kwargs``. A name an ``__init__`` sets itself in its ``super().__init__(...)``
+    call is not the caller's (``LRScaledPipelineStrategy`` fixes ``sync_batchnorm=False``). Each name once, the nearest
+    class's; ``self``, ``*args`` and ``**kwargs`` left out.
+
+    Args:
+        cls (type): a strategy class.
+    """
+    found: dict[str, inspect.Parameter] = {}
+    fixed: set[str] = set()
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass is object:
+            continue
+        parameters = list(inspect.signature(init).parameters.values())[1:]
+        for parameter in parameters:
+            if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) and parameter.name not in fixed:
+                found.setdefault(parameter.name, parameter)
+        if not any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters):
+            break
+        fixed |= _set_in_super_call(init)
+    return list(found.values())
+
+
+def _set_in_super_call(init: Callable[..., Any]) -> set[str]:
+    """The keyword arguments ``init`` passes by name in its ``super().__init__(...)`` call (none without source)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    return {
+        keyword.arg
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__init__"
+        for keyword in node.keywords
+        if keyword.arg is not None
+    }
 
 
 def name_strategy_arguments(trainer: type, strategies: Iterable[type], registry: dict[str, Any]) -> None:
@@ -54,7 +100,7 @@ def name_strategy_arguments(trainer: type, strategies: Iterable[type], registry:
 
 
 def _message(name: str, strategy: Any, classes: tuple[type, ...], registry: dict[str, Any]) -> str | None:
-    takers = [cls for cls in classes if name in inspect.signature(cls.__init__).parameters]  # type: ignore[misc]
+    takers = [cls for cls in classes if name in {parameter.name for parameter in init_parameters(cls)}]
     entry = dict.get(registry, strategy) if isinstance(strategy, str) else None  # the registry's get() builds one
     if entry is not None and entry["strategy"] in takers:
         cls, init_params = entry["strategy"], entry["init_params"]

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_balanced import AutoSplit, BalancedFSDPStrategy, DistributedEvalMixin
+from lightning_balanced import AutoSplit, BalancedFSDPStrategy, DistributedEvalMixin, EvenSplit
 from lightning_balanced.rank_shares.engine import ShareEngine
 from lightning_balanced.rank_shares.loader import RankShare
 from lightning_balanced.strategies.balanced_fsdp import FSDP2_CPU_TORCH, FSDP2_TORCH
@@ -381,7 +381,7 @@ def test_registered_name() -> None:
 
 def test_every_rank_runs_as_many_micro_batches_as_the_rank_that_needs_most() -> None:
     """Each FSDP2 forward pass all-gathers the parameters: a rank with a smaller share runs smaller micro-batches."""
-    engine = ShareEngine("balanced_fsdp", None, None, None, None, "mean", [4, 2], True)
+    engine = ShareEngine("balanced_fsdp", EvenSplit(), "mean", [4, 2], True)
     engine.equal_micro_batches = True
     share = RankShare(global_size=8, chunk_sizes=[3, 5], indices=[0, 1, 2], sequence=0)
     for rank, expected in ((0, [(0, 1), (1, 1), (2, 1)]), (1, [(0, 2), (2, 2), (4, 1)])):

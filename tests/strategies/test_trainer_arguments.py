@@ -71,3 +71,31 @@ def test_the_standalone_package_names_its_own_variant() -> None:
     )
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
         standalone.Trainer(strategy="balanced_dp", gpu0_bsz=4)
+
+
+def test_arguments_passed_on_through_kwargs_are_the_strategys_for_lightning_cli_and_the_trainer() -> None:
+    """The split options (SplitOptions) and pipeline_lr's LR options travel through ``**kwargs`` along the MRO."""
+    from jsonargparse import ArgumentParser
+
+    from lightning_balanced import BalancedDDPStrategy, BalancedFSDPStrategy, LRScaledPipelineStrategy
+    from lightning_balanced.strategies.trainer_arguments import init_parameters
+
+    fsdp = [p.name for p in init_parameters(BalancedFSDPStrategy)]
+    assert {"gpu0_bsz", "chunk_sizes", "weights", "split", "loss_reduction", "data_parallel_size"} <= set(fsdp)
+    names = {p.name for p in init_parameters(LRScaledPipelineStrategy)}
+    assert {"lr_scaling", "warmup_steps", "schedule", "start_method"} <= names and "sync_batchnorm" not in names
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(BalancedDDPStrategy, "ddp")
+    parser.add_class_arguments(LRScaledPipelineStrategy, "pipe")
+    config = parser.parse_args(["--ddp.gpu0_bsz=4", "--ddp.start_method=spawn", "--pipe.warmup_steps=3"])
+    ddp = BalancedDDPStrategy(**config.ddp.as_dict())  # every parsed option, defaults included, is taken
+    pipe = LRScaledPipelineStrategy(**config.pipe.as_dict())
+    assert (repr(ddp.split), ddp._start_method, pipe.warmup_steps, pipe.sync_batchnorm) == (
+        "Gpu0Budget(4)",
+        "spawn",
+        3,
+        False,
+    )
+    with pytest.raises(SystemExit):  # fixed by the class: not an option (jsonargparse prints why)
+        parser.parse_args(["--pipe.sync_batchnorm=true"])
