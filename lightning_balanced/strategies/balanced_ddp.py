@@ -61,12 +61,13 @@ class BalancedDDP(
 
     def __init__(
         self,
+        *args: Any,
         sync_batchnorm: bool = True,
         max_micro_batch: int | Sequence[int] | Literal["auto"] | None = None,
         log_shares: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)  # the split options (SplitOptions), then DDPStrategy's
+        super().__init__(*args, **kwargs)  # the split options (SplitOptions: `gpu0_bsz` first), then DDPStrategy's
         self.shares = ShareEngine("balanced_ddp", self.split, self.loss_reduction, max_micro_batch, log_shares)
         self.shares.bind(self)
         self.sync_batchnorm = check_bool("sync_batchnorm", sync_batchnorm)

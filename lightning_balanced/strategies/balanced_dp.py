@@ -54,8 +54,9 @@ class BalancedDataParallel(SplitOptions, SingleProcess):
 
     strategy_name = "balanced_dp"
 
-    def __init__(self, sync_batchnorm: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)  # the split options (SplitOptions), then the plugins (SingleProcess)
+    def __init__(self, *args: Any, sync_batchnorm: bool = False, **kwargs: Any) -> None:
+        # The split options (SplitOptions: positionally, `gpu0_bsz` first), then the plugins (SingleProcess).
+        super().__init__(*args, **kwargs)
         if not isinstance(sync_batchnorm, bool):
             raise TypeError(f"`sync_batchnorm` must be a bool, got {sync_batchnorm!r}")
         # Only a policy that learns from the steps (overrides `observe`) has its replicas timed.

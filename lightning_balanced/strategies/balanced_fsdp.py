@@ -142,6 +142,7 @@ class BalancedFSDPStrategy(
 
     def __init__(
         self,
+        *args: Any,
         max_micro_batch: int | Sequence[int] | Literal["auto"] | None = None,
         capacities: Sequence[int] | None = None,
         shard_modules: Sequence[type[nn.Module]] = (),
@@ -175,7 +176,8 @@ class BalancedFSDPStrategy(
             if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
                 raise TypeError(f"`shard_modules[{i}]` must be an nn.Module subclass, got {cls!r}")
         self.shard_modules = tuple(shard_modules)
-        super().__init__(
+        super().__init__(  # the split options (SplitOptions: positionally, `gpu0_bsz` first), then ModelParallel's
+            *args,
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=1,
             save_distributed_checkpoint=save_distributed_checkpoint,

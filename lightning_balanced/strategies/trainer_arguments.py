@@ -24,32 +24,37 @@ _WRAPPED = "_lightning_balanced_names_strategy_arguments"
 
 
 def init_parameters(cls: type) -> list[inspect.Parameter]:
-    """The arguments ``cls(...)`` takes by name: its ``__init__``'s and those its ``**kwargs`` pass on, in MRO order.
+    """The arguments ``cls(...)`` takes by name: its ``__init__``'s and those its ``**kwargs`` pass on, in call order.
 
     Follows a cooperative chain as LightningCLI (jsonargparse) does: each ``__init__`` along ``cls.__mro__`` that takes
     ``**kwargs`` hands them to the next class's ``__init__`` (a mixin's, such as
     :class:`~lightning_balanced.split_policies.split_policy.SplitOptions`, then the Lightning base's); the walk stops at
-    the first ``__init__`` without ``**kwargs``. A name an ``__init__`` sets itself in its ``super().__init__(...)``
-    call is not the caller's (``LRScaledPipelineStrategy`` fixes ``sync_batchnorm=False``). Each name once, the nearest
-    class's; ``self``, ``*args`` and ``**kwargs`` left out.
+    the first ``__init__`` without ``**kwargs``. An ``__init__`` that also passes ``*args`` on lists the next classes'
+    arguments before its own (they take the positions). A name an ``__init__`` sets itself in its
+    ``super().__init__(...)`` call is not the caller's (``LRScaledPipelineStrategy`` fixes ``sync_batchnorm=False``).
+    Each name once; ``self``, ``*args`` and ``**kwargs`` left out.
 
     Args:
         cls (type): a strategy class.
     """
+    inits = [vars(klass)["__init__"] for klass in cls.__mro__ if "__init__" in vars(klass) and klass is not object]
     found: dict[str, inspect.Parameter] = {}
-    fixed: set[str] = set()
-    for klass in cls.__mro__:
-        init = vars(klass).get("__init__")
-        if init is None or klass is object:
-            continue
-        parameters = list(inspect.signature(init).parameters.values())[1:]
-        for parameter in parameters:
-            if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) and parameter.name not in fixed:
-                found.setdefault(parameter.name, parameter)
-        if not any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters):
-            break
-        fixed |= _set_in_super_call(init)
+    for parameter in _chain(inits, set()):
+        found.setdefault(parameter.name, parameter)
     return list(found.values())
+
+
+def _chain(inits: list[Callable[..., Any]], fixed: set[str]) -> list[inspect.Parameter]:
+    if not inits:
+        return []
+    parameters = list(inspect.signature(inits[0]).parameters.values())[1:]
+    kinds = {parameter.kind for parameter in parameters}
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    own = [parameter for parameter in parameters if parameter.kind not in variadic and parameter.name not in fixed]
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        return own
+    rest = _chain(inits[1:], fixed | _set_in_super_call(inits[0]))
+    return [*rest, *own] if inspect.Parameter.VAR_POSITIONAL in kinds else [*own, *rest]
 
 
 def _set_in_super_call(init: Callable[..., Any]) -> set[str]:
