@@ -183,7 +183,7 @@ class BalancedFSDPStrategy(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            **kwargs,  # the split options (SplitOptions)
+            **kwargs,
         )
         self.shares = ShareEngine("balanced_fsdp", self.split, self.loss_reduction, max_micro_batch, log_shares)
         self.shares.bind(self)
