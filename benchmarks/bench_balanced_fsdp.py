@@ -23,22 +23,24 @@ Usage: ``python benchmarks/bench_balanced_fsdp.py [--ranks 2] [--speeds 1:2] [--
 from __future__ import annotations
 
 import argparse
-import os
-import socket
+import logging
 import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.distributed
+
 from lightning_balanced import AutoSplit, BalancedFSDPStrategy
+from tests.distributed import run_distributed
 
 
 class Block(nn.Module):
@@ -118,20 +120,9 @@ def _fit(kind: str, args: argparse.Namespace, world_size: int, speeds: list[floa
     return [b - a for a, b in zip(times.ends[args.warmup - 1 :], times.ends[args.warmup :], strict=False)]
 
 
-def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-    )
-    torch.set_num_threads(1)
+def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """One rank's step times by kind (run_distributed: one gloo group, one torch thread per rank)."""
     warnings.filterwarnings("ignore")
-    import logging
-
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning_balanced").setLevel(logging.ERROR)
     speeds = [float(s) for s in args.speeds.split(":")]
@@ -143,9 +134,7 @@ def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, out: 
         for kind in ("auto", "even", "fsdp_split"):
             split_kind = {"even": "balanced_fsdp", "fsdp_split": "fsdp"}.get(kind, kind)
             results.setdefault(kind, []).extend(_fit(split_kind, args, world_size, speeds, args.seconds_per_sample))
-    if rank == 0:
-        out.put(results)
-    torch.distributed.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -163,17 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps = 1, 15
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args, out)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    results = out.get(timeout=1800)
-    for p in procs:
-        p.join()
+    results = run_distributed(_rank, args.ranks, args, timeout_s=1800)[0]
     median = {kind: statistics.median(times) for kind, times in results.items()}
     for kind, value in median.items():
         print(f"{kind:>14}: median step {1e3 * value:7.2f} ms over {len(results[kind])} steps")
